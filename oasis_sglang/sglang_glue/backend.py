@@ -1,0 +1,163 @@
+"""OasisAttnBackend: wraps the attention backend SGLang built (torch_native or triton).
+
+Dense layers go to the wrapped backend unchanged; sparse layers run OasisKV
+(``core.engine.OasisSparseKV``): prefill over the host tier, decode over the working set.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+
+from ..config import OasisConfig, OasisConfigError
+from ..core import OasisSparseKV
+
+logger = logging.getLogger(__name__)
+
+
+class OasisAttnBackend(AttentionBackend):
+    """Attention backend for ``--kv-sparse oasis``.
+
+    Args:
+        inner: the backend SGLang built for this model runner.
+        engine: the model's OasisKV state.
+        pool: the ``OasisKVPool``. req_to_token_pool: SGLang's request table.
+        log_interval: decode steps between ``OasisKV decode`` log lines.
+    """
+
+    def __init__(self, inner: AttentionBackend, engine: OasisSparseKV, pool, req_to_token_pool,
+                 log_interval: int = 40):
+        super().__init__()
+        self.inner, self.engine, self.pool, self.req_to_token_pool = inner, engine, pool, req_to_token_pool
+        self.token_to_kv_pool = pool
+        self.log_interval = max(1, int(log_interval))
+        self.last_sparse_layer = engine.sparse_layers[-1] if engine.sparse_layers else -1
+
+    def __getattr__(self, name):  # everything else is the wrapped backend's
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def init_forward_metadata(self, forward_batch):
+        return self.inner.init_forward_metadata(forward_batch)
+
+    def support_triton(self):
+        return self.inner.support_triton()
+
+    def _write(self, layer, forward_batch, k, v, save_kv_cache):
+        if k is None or v is None:
+            raise RuntimeError("OasisKV: layers without their own K/V (KV sharing) are not supported")
+        if save_kv_cache:
+            self.pool.set_kv_buffer(layer, forward_batch.out_cache_loc, k, v)
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        if not self.engine.is_sparse(layer.layer_id):
+            return self.inner.forward_extend(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
+        self._write(layer, forward_batch, k, v, save_kv_cache)
+        q_ = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)
+        o = self.engine.extend_attention(
+            layer.layer_id, q_, forward_batch.req_pool_indices, forward_batch.extend_prefix_lens,
+            forward_batch.extend_seq_lens, self.req_to_token_pool.req_to_token, layer.scaling)
+        return o.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
+
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        if not self.engine.is_sparse(layer.layer_id):
+            return self.inner.forward_decode(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
+        self._write(layer, forward_batch, k, v, save_kv_cache)
+        H = layer.tp_k_head_num
+        o = self.engine.decode_attention(
+            layer.layer_id, q.view(-1, layer.tp_q_head_num, layer.qk_head_dim), k.view(-1, H, layer.qk_head_dim),
+            v.view(-1, H, layer.v_head_dim), forward_batch.req_pool_indices, forward_batch.seq_lens,
+            self.req_to_token_pool.req_to_token, layer.scaling)
+        if layer.layer_id == self.last_sparse_layer:
+            self._maybe_log()
+        return o.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
+
+    def _maybe_log(self):
+        s = self.engine.stats
+        if s.decode_steps != 1 and s.decode_steps % self.log_interval:
+            return
+        logger.info(format_residency(self.engine.residency()))
+
+
+def format_residency(r: dict) -> str:
+    """One ``OasisKV decode`` log line (parsed by scripts/run_demo.py; keep the keys stable)."""
+    hits, adm = r["hit_blocks"], r["admitted_blocks"]
+    rate = hits / max(1, hits + adm)
+    return (f"OasisKV decode: #running-req: {len(r['context_tokens'])}, "
+            f"context tokens (host tier): {r['context_tokens']}, "
+            f"device working set tokens per layer and KV head: {r['device_working_set_tokens']} "
+            f"(budget {r['budget_tokens']}), sparse layers: {r['sparse_layers']}, "
+            f"hit rate: {rate:.3f}, admitted blocks: {adm}, evicted blocks: {r['evicted_blocks']}, "
+            f"H2D: {r['bytes_h2d'] / 2**20:.1f} MiB, working set: {r['working_set_bytes'] / 2**20:.1f} MiB, "
+            f"summaries: {r['summary_bytes'] / 2**20:.1f} MiB, host tier: {r['host_tier_bytes'] / 2**20:.1f} MiB")
+
+
+def init_attention_backends_hook(result, model_runner, *args, **kwargs):
+    """AFTER ``ModelRunner.init_attention_backends``: build the OasisKV state and wrap backends."""
+    sa = model_runner.server_args
+    if getattr(sa, "kv_sparse", "none") != "oasis":
+        return result
+    from .pool import OasisKVPool
+
+    cfg = OasisConfig.from_json(sa.kv_sparse_config)
+    mc = model_runner.model_config
+    arch = str(getattr(mc, "attention_arch", ""))
+    if "MLA" in arch.upper() or getattr(model_runner, "use_mla_backend", False):
+        raise OasisConfigError(f"--kv-sparse oasis: MLA/DSA models are not supported ({mc.hf_config.architectures})")
+    pool = model_runner.token_to_kv_pool
+    if not isinstance(pool, OasisKVPool):
+        raise OasisConfigError(
+            f"--kv-sparse oasis: this model uses {type(pool).__name__} (hybrid, sliding-window or "
+            f"quantized KV); only plain MHA/GQA KV caches are supported")
+    if pool.start_layer != 0 or pool.layer_num != mc.num_hidden_layers:
+        raise OasisConfigError("--kv-sparse oasis: pipeline parallelism is not supported")
+    rtp = model_runner.req_to_token_pool
+    engine = OasisSparseKV(cfg, num_layers=pool.layer_num, num_tokens=pool.size + pool.page_size,
+                           num_rows=rtp.req_to_token.shape[0], head_num=pool.head_num,
+                           head_dim=pool.head_dim, v_head_dim=pool.v_head_dim, dtype=pool.dtype,
+                           device=model_runner.device)
+    pool.oasis = engine
+    rtp._oasis = engine
+    interval = getattr(sa, "decode_log_interval", 40) or 40
+    wrapped = {}
+
+    def wrap(b):
+        if b is None:
+            return None
+        if id(b) not in wrapped:
+            wrapped[id(b)] = OasisAttnBackend(b, engine, pool, rtp, interval)
+        return wrapped[id(b)]
+
+    model_runner.attn_backend = wrap(model_runner.attn_backend)
+    if getattr(model_runner, "decode_attn_backend", None) is not None:
+        model_runner.decode_attn_backend = wrap(model_runner.decode_attn_backend)
+    group = getattr(model_runner, "decode_attn_backend_group", None)
+    if group:
+        model_runner.decode_attn_backend_group = [wrap(b) for b in group]
+    logger.info(
+        "OasisKV: %d sparse / %d dense layers, budget %d tokens per request, layer and KV head "
+        "(%d blocks of %d), request rows %d; device working set %.1f MiB, summaries %.1f MiB, "
+        "host tier %.1f MiB (%d tokens)",
+        len(engine.sparse_layers), len(cfg.dense_layers), cfg.budget_tokens, cfg.budget_blocks,
+        cfg.block_size, engine.ws.R, engine.ws.nbytes / 2**20, engine.summaries.nbytes / 2**20,
+        engine.host.nbytes / 2**20, engine.host.capacity_tokens)
+    return result
+
+
+def req_free_hook(self, req, *args, **kwargs):
+    """BEFORE ``ReqToTokenPool.free``: free the request's working set."""
+    eng = getattr(self, "_oasis", None)
+    if eng is not None and req.req_pool_idx is not None:
+        eng.reset_rows([req.req_pool_idx])
+    return None
+
+
+def req_clear_hook(result, self, *args, **kwargs):
+    """AFTER ``ReqToTokenPool.clear``: free every working set."""
+    eng = getattr(self, "_oasis", None)
+    if eng is not None:
+        eng.reset_rows(list(range(eng.ws.R)))
+    return result

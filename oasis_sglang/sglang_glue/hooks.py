@@ -1,0 +1,104 @@
+"""Every SGLang symbol oasis-sglang hooks, in one place, and the start-up check.
+
+SGLang's ``HookRegistry`` only logs a target that fails to resolve; ``check_plugin_ready``
+turns that into a start-up error when ``--kv-sparse oasis`` is requested.
+"""
+
+from __future__ import annotations
+
+import pkgutil
+from dataclasses import dataclass
+from typing import Callable
+
+PLUGIN_NAME = "oasis"
+
+
+@dataclass(frozen=True)
+class Hook:
+    target: str           # dotted path in sglang 0.5.17
+    kind: str             # HookType name: AROUND / AFTER / BEFORE / REPLACE
+    impl: str             # "module:function" in oasis_sglang
+    why: str
+
+
+HOOKS: tuple[Hook, ...] = (
+    Hook("sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._build_mha_kv_pool", "AROUND",
+         "oasis_sglang.sglang_glue.pool:build_mha_kv_pool_hook",
+         "build OasisKVPool (sparse layers' KV in the host tier) instead of MHATokenToKVPool"),
+    Hook("sglang.srt.model_executor.model_runner.ModelRunner.init_attention_backends", "AFTER",
+         "oasis_sglang.sglang_glue.backend:init_attention_backends_hook",
+         "create the OasisKV state and wrap the attention backend"),
+    Hook("sglang.srt.mem_cache.memory_pool.ReqToTokenPool.free", "BEFORE",
+         "oasis_sglang.sglang_glue.backend:req_free_hook",
+         "free the working set of a finished request"),
+    Hook("sglang.srt.mem_cache.memory_pool.ReqToTokenPool.clear", "AFTER",
+         "oasis_sglang.sglang_glue.backend:req_clear_hook",
+         "flush: free every working set"),
+    Hook("sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator.alloc_extend", "AROUND",
+         "oasis_sglang.sglang_glue.cpu_allocator:alloc_extend_hook",
+         "page_size = block_size on CPU: SGLang's paged allocator is Triton-only"),
+    Hook("sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator.alloc_decode", "AROUND",
+         "oasis_sglang.sglang_glue.cpu_allocator:alloc_decode_hook",
+         "page_size = block_size on CPU: SGLang's paged allocator is Triton-only"),
+)
+
+_registered = False
+
+
+def _impl(h: Hook) -> Callable:
+    mod, fn = h.impl.split(":")
+    return getattr(__import__(mod, fromlist=[fn]), fn)
+
+
+def unresolved_targets() -> list[str]:
+    """Targets (and implementations) that do not resolve, as ``"target: error"`` lines."""
+    bad = []
+    for h in HOOKS:
+        try:
+            pkgutil.resolve_name(h.target)
+        except Exception as e:  # noqa: BLE001 - report every failure
+            bad.append(f"{h.target}: {type(e).__name__}: {e}")
+        try:
+            _impl(h)
+        except Exception as e:  # noqa: BLE001
+            bad.append(f"{h.impl}: {type(e).__name__}: {e}")
+    return bad
+
+
+def register() -> None:
+    """Entry point of the ``sglang.srt.plugins`` group: register every hook in ``HOOKS``.
+
+    Hooks are inert unless ``--kv-sparse oasis`` is set: each one checks the server args.
+    """
+    global _registered
+    if _registered:
+        return
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    for h in HOOKS:
+        HookRegistry.register(h.target, _impl(h), HookType[h.kind])
+    _registered = True
+
+
+def check_plugin_ready() -> None:
+    """Make sure the plugin is loaded and every hook target resolved and was applied.
+
+    Raises:
+        RuntimeError: listing the targets that failed, or saying the plugin did not load
+            (for instance ``SGLANG_PLUGINS`` excludes ``oasis``).
+    """
+    bad = unresolved_targets()
+    if bad:
+        raise RuntimeError("oasis-sglang: hook targets do not resolve in this SGLang:\n  " + "\n  ".join(bad))
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    load_plugins()
+    if not _registered:
+        raise RuntimeError(
+            "oasis-sglang: the 'oasis' plugin was not loaded (is oasis-sglang installed, and does "
+            "SGLANG_PLUGINS include 'oasis'?)")
+    HookRegistry.apply_hooks()
+    missing = [h.target for h in HOOKS if h.target not in HookRegistry._patched]
+    if missing:
+        raise RuntimeError("oasis-sglang: hooks were not applied to: " + ", ".join(missing))

@@ -1,0 +1,81 @@
+"""OasisKVPool: SGLang's ``MHATokenToKVPool`` whose sparse layers keep no device KV.
+
+Dense layers (``dense_layers``) keep SGLang's device buffers ``[size + page, H, D]``. Sparse
+layers get a one-page placeholder on the device; their KV goes to the OasisKV host tier
+(``core.host_tier``) through ``set_kv_buffer``, and the attention backend reads it from the
+working set. SGLang's allocator, radix cache and free lists manage token locations as usual.
+"""
+
+from __future__ import annotations
+
+import torch
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, unwrap_write_loc
+
+from ..config import OasisConfig
+
+
+class OasisKVPool(MHATokenToKVPool):
+    """KV pool for ``--kv-sparse oasis`` (MHA / GQA models, NHD layout).
+
+    Extra args: ``oasis_cfg`` (:class:`OasisConfig`). ``self.oasis`` (the
+    :class:`~oasis_sglang.core.OasisSparseKV`) is attached by the backend hook before the first
+    forward pass.
+    """
+
+    def __init__(self, *args, oasis_cfg: OasisConfig, **kwargs):
+        self.oasis_cfg = oasis_cfg
+        self.oasis = None
+        super().__init__(*args, **kwargs)
+
+    def _is_dense(self, layer_id: int) -> bool:
+        return layer_id in self.oasis_cfg.dense_layers
+
+    def _create_buffers(self):
+        if self.is_quantized_kv_cache or self.post_capture_active or self.use_hnd:
+            raise ValueError("--kv-sparse oasis: quantized, post-capture and HND KV layouts are not supported")
+        self.k_scale_buffer = self.v_scale_buffer = self.dq_k_buffer = self.dq_v_buffer = None
+        n = self.size + self.page_size
+        self.k_buffer, self.v_buffer = [], []
+        for i in range(self.layer_num):
+            rows = n if self._is_dense(i + self.start_layer) else self.page_size
+            self.k_buffer.append(torch.zeros((rows, self.head_num, self.head_dim), dtype=self.store_dtype, device=self.device))
+            self.v_buffer.append(torch.zeros((rows, self.head_num, self.v_head_dim), dtype=self.store_dtype, device=self.device))
+        self._kv_buffer_descs = self._build_kv_buffer_descs()
+        self._init_data_ptrs_and_strides()
+
+    def _check_dense(self, layer_id: int) -> None:
+        if not self._is_dense(layer_id):
+            raise RuntimeError(f"OasisKV: layer {layer_id} is sparse; its KV lives in the host tier")
+
+    def _get_key_buffer(self, layer_id: int):
+        self._check_dense(layer_id)
+        return super()._get_key_buffer(layer_id)
+
+    def _get_value_buffer(self, layer_id: int):
+        self._check_dense(layer_id)
+        return super()._get_value_buffer(layer_id)
+
+    def set_kv_buffer(self, layer, loc_info, cache_k, cache_v, k_scale=None, v_scale=None,
+                      layer_id_override=None, dcp_kv_mask=None):
+        layer_id = layer_id_override if layer_id_override is not None else layer.layer_id
+        if self._is_dense(layer_id):
+            return super().set_kv_buffer(layer, loc_info, cache_k, cache_v, k_scale, v_scale,
+                                         layer_id_override, dcp_kv_mask)
+        loc, _, _ = unwrap_write_loc(loc_info)
+        self.oasis.write_kv(layer_id, loc, cache_k, cache_v)
+
+    def get_kv_size_bytes(self):
+        k, v = super().get_kv_size_bytes()
+        return k, v
+
+
+def build_mha_kv_pool_hook(original, self, *args, **kwargs):
+    """AROUND ``KVCacheConfigurator._build_mha_kv_pool``: OasisKVPool when ``--kv-sparse oasis``."""
+    sa = self.server_args
+    if getattr(sa, "kv_sparse", "none") != "oasis":
+        return original(self, *args, **kwargs)
+    import functools
+
+    cfg = OasisConfig.from_json(sa.kv_sparse_config)
+    kwargs["mha_pool_class"] = functools.partial(OasisKVPool, oasis_cfg=cfg)
+    return original(self, *args, **kwargs)

@@ -1,0 +1,80 @@
+"""Start-up handling of ``--kv-sparse`` / ``--kv-sparse-config`` (called from the patched
+``ServerArgs.__post_init__``, before SGLang resolves its own defaults).
+
+Raises ``OasisConfigError`` (a ``ValueError``) naming the flag or key on bad input, so
+``launch_server`` exits non-zero with that message before anything starts.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from ..config import OasisConfig, OasisConfigError
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_ATTENTION_BACKENDS = ("torch_native", "triton")
+DEFAULT_MAX_RUNNING_REQUESTS = 64
+
+
+def _is_cpu(args) -> bool:
+    if args.device is not None:
+        return args.device == "cpu"
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+def handle_kv_sparse_args(args) -> OasisConfig:
+    """Validate the OasisKV flags against the rest of ``args`` and set dependent defaults.
+
+    Sets ``page_size`` to ``block_size`` and the attention backend to ``torch_native`` on CPU
+    when they are unset, disables CUDA graphs (the reference path synchronises with the
+    host), and stores the normalised config JSON back in ``args.kv_sparse_config``.
+
+    Raises:
+        OasisConfigError: bad ``--kv-sparse-config`` key/value or an unsupported combination.
+        RuntimeError: the oasis-sglang plugin's hook targets do not resolve in this SGLang.
+    """
+    if args.kv_sparse != "oasis":
+        raise OasisConfigError(f"--kv-sparse: unknown mode {args.kv_sparse!r} (choices: none, oasis)")
+    cfg = OasisConfig.from_json(args.kv_sparse_config)
+    from .hooks import check_plugin_ready
+
+    check_plugin_ready()
+
+    def bad(flag: str, why: str):
+        raise OasisConfigError(f"--kv-sparse oasis: {flag} {why}")
+
+    cpu = _is_cpu(args)
+    for flag in ("attention_backend", "prefill_attention_backend", "decode_attention_backend"):
+        val = getattr(args, flag, None)
+        if val is not None and val not in SUPPORTED_ATTENTION_BACKENDS:
+            bad("--" + flag.replace("_", "-"), f"{val!r} is not supported (supported: {', '.join(SUPPORTED_ATTENTION_BACKENDS)})")
+    if args.attention_backend is None:
+        args.attention_backend = "torch_native" if cpu else "triton"
+    if args.page_size is None:
+        args.page_size = cfg.block_size
+    elif args.page_size != cfg.block_size:
+        bad("--page-size", f"{args.page_size} is incompatible with block_size {cfg.block_size}: they must be equal")
+    if getattr(args, "speculative_algorithm", None):
+        bad("--speculative-algorithm", "is not supported yet (the look-ahead pipeline is a later milestone)")
+    if str(getattr(args, "kv_cache_dtype", "auto")) not in ("auto", "bfloat16", "float16", "bf16", "fp16"):
+        bad("--kv-cache-dtype", f"{args.kv_cache_dtype!r} is not supported (auto, bfloat16 or float16)")
+    for flag in ("enable_hierarchical_cache", "enable_hisparse", "enable_mixed_chunk", "enable_dp_attention"):
+        if getattr(args, flag, False):
+            bad("--" + flag.replace("_", "-"), "cannot be combined")
+    if getattr(args, "disaggregation_mode", "null") not in (None, "null"):
+        bad("--disaggregation-mode", "is not supported yet (PD disaggregation is a later milestone)")
+    if getattr(args, "tp_size", 1) != 1 or getattr(args, "pp_size", 1) != 1:
+        bad("--tp-size/--pp-size", "must be 1 for now")
+    if args.max_running_requests is None:
+        # the working set is preallocated per request row: keep the row count bounded
+        args.max_running_requests = DEFAULT_MAX_RUNNING_REQUESTS
+        logger.info("OasisKV: --max-running-requests defaults to %d", DEFAULT_MAX_RUNNING_REQUESTS)
+    if not args.disable_cuda_graph:
+        logger.info("OasisKV: disabling CUDA graphs (the reference selection path syncs with the host)")
+        args.disable_cuda_graph = True
+    args.kv_sparse_config = cfg.to_json()
+    logger.info("OasisKV enabled: %s", args.kv_sparse_config)
+    return cfg
