@@ -3,7 +3,7 @@
 PyPI ships ``sgl_kernel`` (package ``sglang-kernel``) for CUDA only; on a host without CUDA
 ``import sgl_kernel`` fails (``libcuda.so.1``), yet ``sglang/kernels/ops/kvcache/cache_move.py``
 imports ``copy_all_layer_kv_cache_cpu`` from it when the CPU engine is on. The module
-``oasis_sglang._sgl_kernel_finder`` (run from ``oasis_sglang_cpu.pth`` at interpreter start)
+``oasis_sglang_cpu_shim`` (a top-level module run from ``oasis_sglang_cpu.pth`` at interpreter start)
 serves this module as ``sgl_kernel`` only when ``libcuda.so.1`` cannot be loaded, so the real
 ``sgl_kernel`` is never shadowed on a GPU host.
 

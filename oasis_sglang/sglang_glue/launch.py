@@ -1,0 +1,101 @@
+"""Start and stop real SGLang servers for the main job, the tests and the benchmarks.
+
+Uses SGLang's own ``sglang.test.test_utils.popen_launch_server`` (health polling, timeouts)
+and ``kill_process_tree``; adds the CPU-engine environment and the OasisKV flags.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+
+def has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def base_args(device: Optional[str] = None, max_total_tokens: int = 65536, max_running_requests: int = 4) -> list[str]:
+    """Server flags shared by dense and oasis runs: CPU engine (fp32, torch_native) without CUDA."""
+    device = device or ("cuda" if has_cuda() else "cpu")
+    args = ["--max-total-tokens", str(max_total_tokens), "--max-running-requests", str(max_running_requests),
+            "--log-level", "info"]
+    if device == "cpu":
+        args += ["--device", "cpu", "--attention-backend", "torch_native", "--dtype", "float32"]
+    else:
+        args += ["--attention-backend", "triton", "--sampling-backend", "pytorch", "--disable-cuda-graph"]
+    return args
+
+
+def oasis_args(**cfg) -> list[str]:
+    return ["--kv-sparse", "oasis", "--kv-sparse-config", json.dumps(cfg)] if cfg is not None else []
+
+
+@dataclass
+class Server:
+    """A running server: ``url``, its process and the file holding its log."""
+
+    url: str
+    proc: object
+    log_path: Path
+    _log: object = field(repr=False, default=None)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def residency_lines(self) -> list[str]:
+        return [l for l in self.log().splitlines() if "OasisKV decode:" in l]
+
+    def stop(self) -> None:
+        from sglang.srt.utils import kill_process_tree
+
+        kill_process_tree(self.proc.pid)
+        if self._log:
+            self._log.close()
+
+
+def launch(model: str, port: int, args: list[str], log_path: Path, timeout: float = 600) -> Server:
+    """Start ``python -m sglang.launch_server`` and wait until it serves.
+
+    Raises:
+        Exception: from ``popen_launch_server`` when the server does not come up in ``timeout`` s
+            (its log is in ``log_path``).
+    """
+    from sglang.test.test_utils import popen_launch_server
+
+    import sys
+
+    env = dict(os.environ)
+    # popen_launch_server runs the `sglang` console script: use this interpreter's
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    if "--device" in args and args[args.index("--device") + 1] == "cpu":
+        env["SGLANG_USE_CPU_ENGINE"] = "1"
+    log_path = Path(log_path)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    f = open(log_path, "w")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        proc = popen_launch_server(model, url, timeout=timeout, other_args=args, env=env,
+                                   return_stdout_stderr=(f, f), device="cpu" if env.get("SGLANG_USE_CPU_ENGINE") else "auto")
+    except Exception:
+        f.close()
+        raise
+    return Server(url=url, proc=proc, log_path=log_path, _log=f)
+
+
+_RES = re.compile(r"context tokens \(host tier\): \[([^\]]*)\], device working set tokens per layer and KV head: "
+                  r"\[([^\]]*)\] \(budget (\d+)\)")
+
+
+def parse_residency(line: str) -> dict:
+    """Parse an ``OasisKV decode`` log line into ``{"context": [...], "device": [...], "budget": int}``."""
+    m = _RES.search(line)
+    if not m:
+        raise ValueError(f"not an OasisKV decode line: {line!r}")
+    ints = lambda s: [int(x) for x in s.split(",") if x.strip()]  # noqa: E731
+    return {"context": ints(m.group(1)), "device": ints(m.group(2)), "budget": int(m.group(3))}

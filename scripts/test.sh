@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# README command 2: set up (idempotent) and run the tests (unit + end to end on real SGLang).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+exec "${OASIS_VENV:-.venv}/bin/python" -m pytest -v -rs tests "$@"

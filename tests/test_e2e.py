@@ -1,0 +1,135 @@
+"""End to end on real SGLang serving SmolLM2-135M-Instruct (CPU engine without a GPU).
+
+(a) budget >= prompt + output: greedy output token-for-token identical to --kv-sparse none;
+(b) budget 512 on needle prompts of 2K-6K tokens: wherever dense answers with the planted
+    fact (asserted), oasis does too, with the device working set bounded by the budget;
+(c) bad flags exit non-zero naming the key; an over-long prompt gets HTTP 400 and the server
+    keeps serving.
+"""
+
+import concurrent.futures as cf
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import requests
+
+from oasis_sglang import needle
+from oasis_sglang.models import essay_texts, prepare_smollm2
+from oasis_sglang.sglang_glue.launch import base_args, launch, oasis_args, parse_residency
+
+pytestmark = pytest.mark.e2e
+OUT = Path(os.environ.get("OASIS_TEST_OUT", Path(__file__).resolve().parents[1] / "out" / "tests"))
+# (haystack tokens, depth): cases where dense SmolLM2-135M answers correctly (asserted below)
+NEEDLE_CASES = [(2048, 0.5), (4096, 0.2), (6000, 0.5)]
+
+
+@pytest.fixture(scope="session")
+def model():
+    return str(prepare_smollm2())
+
+
+@pytest.fixture(scope="session")
+def tok(model):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model)
+
+
+def _server(model, port, extra, name):
+    srv = launch(model, port, base_args() + extra, OUT / f"{name}.log")
+    return srv
+
+
+@pytest.fixture(scope="module")
+def dense(model):
+    srv = _server(model, 31210, [], "dense")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def oasis_full(model):
+    srv = _server(model, 31211, oasis_args(budget_tokens=4096), "oasis_full")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def oasis_512(model):
+    srv = _server(model, 31212, oasis_args(budget_tokens=512), "oasis_512")
+    yield srv
+    srv.stop()
+
+
+def generate_ids(url, input_ids, n):
+    r = requests.post(url + "/generate", json={
+        "input_ids": input_ids, "return_logprob": True,
+        "sampling_params": {"temperature": 0, "max_new_tokens": n, "ignore_eos": True}}, timeout=900)
+    r.raise_for_status()
+    return [t[1] for t in r.json()["meta_info"]["output_token_logprobs"]]
+
+
+def chat(url, messages, max_tokens=24):
+    r = requests.post(url + "/v1/chat/completions", json={
+        "model": "m", "messages": messages, "max_tokens": max_tokens, "temperature": 0}, timeout=900)
+    r.raise_for_status()
+    return r.json()["choices"][0]["message"]["content"]
+
+
+def _exact_prompts(tok):
+    essay = essay_texts()[3][1]
+    ids = tok.encode(essay, add_special_tokens=False)
+    chat_ids = tok.apply_chat_template([{"role": "user", "content": "Name three primary colors."}],
+                                       add_generation_prompt=True)
+    # lengths chosen so prompts end mid-block and exactly on a block boundary (16 * 100)
+    return [chat_ids, ids[:1600], ids[:2203]]
+
+
+def test_exact_when_budget_covers_context(dense, oasis_full, tok):
+    prompts = _exact_prompts(tok)
+    n_new = 40
+    with cf.ThreadPoolExecutor(len(prompts)) as ex:   # sent together: decode runs batched
+        ref = list(ex.map(lambda p: generate_ids(dense.url, p, n_new), prompts))
+        got = list(ex.map(lambda p: generate_ids(oasis_full.url, p, n_new), prompts))
+    for p, r, g in zip(prompts, ref, got):
+        assert len(p) + n_new <= 4096
+        assert g == r, f"prompt of {len(p)} tokens: oasis {g} != dense {r}"
+    assert oasis_full.residency_lines(), "the OasisKV decode path did not run"
+
+
+@pytest.mark.parametrize("tokens,depth", NEEDLE_CASES)
+def test_needle_budget_512(dense, oasis_512, tok, tokens, depth):
+    p = needle.build(tok, tokens, depth)
+    n_prompt = len(tok.apply_chat_template(p.messages, add_generation_prompt=True))
+    assert n_prompt >= 4 * 512
+    d = chat(dense.url, p.messages)
+    assert p.answer in d, f"dense failed on this case ({tokens}, {depth}): {d!r}; pick another case"
+    o = chat(oasis_512.url, p.messages)
+    assert p.answer in o, f"oasis (budget 512) lost the needle that dense found: {o!r}"
+    res = parse_residency(oasis_512.residency_lines()[-1])
+    assert res["budget"] == 512 and max(res["device"]) <= 512
+
+
+def test_overlong_prompt_gets_400_and_server_keeps_serving(oasis_512, tok):
+    r = requests.post(oasis_512.url + "/generate", json={
+        "input_ids": [100] * 9000, "sampling_params": {"max_new_tokens": 4}}, timeout=300)
+    assert r.status_code == 400, r.text
+    assert "4729" in chat(oasis_512.url, needle.build(tok, 2048, 0.5).messages)
+
+
+@pytest.mark.parametrize("extra,needle_text", [
+    (["--kv-sparse", "oasis", "--kv-sparse-config", '{"budget_tokenz": 512}'], "budget_tokenz"),
+    (["--kv-sparse", "oasis", "--kv-sparse-config", '{"budget_tokens": 500}'], "budget_tokens"),
+    (["--kv-sparse", "oasis", "--page-size", "4"], "--page-size"),
+    (["--kv-sparse", "oasis", "--attention-backend", "flashinfer"], "--attention-backend"),
+])
+def test_bad_flags_fail_at_startup_naming_the_key(model, extra, needle_text):
+    args = [a for a in base_args() if a not in ("--attention-backend", "torch_native")] if "--attention-backend" in extra else base_args()
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--port", "31299", *args, *extra]
+    env = dict(os.environ, SGLANG_USE_CPU_ENGINE="1")
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode != 0
+    assert needle_text in r.stderr + r.stdout, (r.stderr + r.stdout)[-3000:]
