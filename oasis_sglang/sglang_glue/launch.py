@@ -21,14 +21,19 @@ def has_cuda() -> bool:
 
 
 def base_args(device: Optional[str] = None, max_total_tokens: int = 65536, max_running_requests: int = 4) -> list[str]:
-    """Server flags shared by dense and oasis runs: CPU engine (fp32, torch_native) without CUDA."""
+    """Server flags shared by dense and oasis runs: CPU engine (fp32, torch_native) without CUDA.
+
+    ``OASIS_ATTENTION_BACKEND`` overrides the GPU attention backend (default ``triton``); the GPU
+    smoke run uses ``torch_native`` so dense and oasis issue the same SDPA calls.
+    """
     device = device or ("cuda" if has_cuda() else "cpu")
     args = ["--max-total-tokens", str(max_total_tokens), "--max-running-requests", str(max_running_requests),
             "--log-level", "info"]
     if device == "cpu":
         args += ["--device", "cpu", "--attention-backend", "torch_native", "--dtype", "float32"]
     else:
-        args += ["--attention-backend", "triton", "--sampling-backend", "pytorch", "--disable-cuda-graph"]
+        backend = os.environ.get("OASIS_ATTENTION_BACKEND", "triton")
+        args += ["--attention-backend", backend, "--sampling-backend", "pytorch", "--disable-cuda-graph"]
     return args
 
 

