@@ -75,13 +75,23 @@ def launch(model: str, port: int, args: list[str], log_path: Path, timeout: floa
 
     import sys
 
+    log_path = Path(log_path)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
     # popen_launch_server runs the `sglang` console script: use this interpreter's
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    import shutil
+
+    if shutil.which("sglang", path=env["PATH"]) is None:   # sglang unpacked without its scripts
+        bindir = log_path.parent / ".bin"
+        bindir.mkdir(parents=True, exist_ok=True)
+        (bindir / "sglang").write_text(
+            f"#!/bin/sh\nexec {sys.executable} -c 'import sys; from sglang.cli.main import main; "
+            f"sys.exit(main())' \"$@\"\n")
+        (bindir / "sglang").chmod(0o755)
+        env["PATH"] = str(bindir) + os.pathsep + env["PATH"]
     if "--device" in args and args[args.index("--device") + 1] == "cpu":
         env["SGLANG_USE_CPU_ENGINE"] = "1"
-    log_path = Path(log_path)
-    log_path.parent.mkdir(parents=True, exist_ok=True)
     f = open(log_path, "w")
     url = f"http://127.0.0.1:{port}"
     try:
