@@ -53,3 +53,13 @@ def build(tokenizer, haystack_tokens: int, depth: float, needle: str = NEEDLE,
     content = f"{doc}\n\n{question}"
     return NeedlePrompt(messages=[{"role": "user", "content": content}], answer=answer,
                         haystack_tokens=haystack_tokens, depth=depth)
+
+
+def chat_ids(tokenizer, messages) -> list[int]:
+    """Token ids of ``messages`` under the model's chat template, with the generation prompt.
+
+    (Rendered to text, then encoded: ``apply_chat_template(tokenize=True)`` returns a list or a
+    ``BatchEncoding`` depending on the transformers version.)
+    """
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer.encode(text, add_special_tokens=False)

@@ -26,6 +26,8 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=5000, help="haystack length in tokens (default 5000)")
     p.add_argument("--depth", type=float, default=0.5, help="needle depth in [0, 1] (default 0.5)")
     p.add_argument("--budget", type=int, default=512, help="OasisKV budget_tokens (default 512)")
+    p.add_argument("--block-size", type=int, default=8,
+                   help="OasisKV block_size (default 8: SmolLM2's head_dim is 64, see docs/benchmarks.md)")
     p.add_argument("--port", type=int, default=30500)
     p.add_argument("--no-dense", action="store_true", help="skip the dense comparison run")
     p.add_argument("--out", type=Path, default=ROOT / "out" / "demo")
@@ -41,12 +43,12 @@ def main() -> int:
     model = str(prepare_smollm2())
     tok = AutoTokenizer.from_pretrained(model)
     prompt = needle.build(tok, a.tokens, a.depth)
-    n_prompt = len(tok.apply_chat_template(prompt.messages, add_generation_prompt=True))
+    n_prompt = len(needle.chat_ids(tok, prompt.messages))
     device = "cuda" if has_cuda() else "cpu"
     print(f"model: {model}\ndevice: {device}\nprompt: {n_prompt} tokens of Paul Graham essays, "
           f"needle at depth {a.depth}: {needle.NEEDLE!r}\nquestion: {needle.QUESTION!r}\n", flush=True)
 
-    runs = [("oasis", oasis_args(budget_tokens=a.budget))] + ([] if a.no_dense else [("dense", [])])
+    runs = [("oasis", oasis_args(budget_tokens=a.budget, block_size=a.block_size))] + ([] if a.no_dense else [("dense", [])])
     results = {}
     for name, extra in runs:
         t0 = time.time()

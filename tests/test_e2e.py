@@ -22,8 +22,12 @@ from oasis_sglang.sglang_glue.launch import base_args, launch, oasis_args, parse
 
 pytestmark = pytest.mark.e2e
 OUT = Path(os.environ.get("OASIS_TEST_OUT", Path(__file__).resolve().parents[1] / "out" / "tests"))
-# (haystack tokens, depth): cases where dense SmolLM2-135M answers correctly (asserted below)
-NEEDLE_CASES = [(2048, 0.5), (4096, 0.2), (6000, 0.5)]
+# (haystack tokens, depth): cases where dense SmolLM2-135M answers correctly (asserted below).
+# The full 2K/4K/6K x 0.2/0.5/0.8 sweep is in docs/benchmarks.md (oasis misses 6000 @ 0.2 there).
+NEEDLE_CASES = [(2048, 0.8), (4096, 0.5), (6000, 0.8)]
+# block_size 8: SmolLM2's head_dim is 64, so an 8-token block of fp32 keys is 2 KiB; with 16-token
+# blocks the min/max bounds are looser and budget 512 loses more needles (docs/benchmarks.md)
+NEEDLE_CFG = {"budget_tokens": 512, "block_size": 8}
 
 
 @pytest.fixture(scope="session")
@@ -59,7 +63,7 @@ def oasis_full(model):
 
 @pytest.fixture(scope="module")
 def oasis_512(model):
-    srv = _server(model, 31212, oasis_args(budget_tokens=512), "oasis_512")
+    srv = _server(model, 31212, oasis_args(**NEEDLE_CFG), "oasis_512")
     yield srv
     srv.stop()
 
@@ -82,8 +86,7 @@ def chat(url, messages, max_tokens=24):
 def _exact_prompts(tok):
     essay = essay_texts()[3][1]
     ids = tok.encode(essay, add_special_tokens=False)
-    chat_ids = tok.apply_chat_template([{"role": "user", "content": "Name three primary colors."}],
-                                       add_generation_prompt=True)
+    chat_ids = needle.chat_ids(tok, [{"role": "user", "content": "Name three primary colors."}])
     # lengths chosen so prompts end mid-block and exactly on a block boundary (16 * 100)
     return [chat_ids, ids[:1600], ids[:2203]]
 
@@ -103,7 +106,7 @@ def test_exact_when_budget_covers_context(dense, oasis_full, tok):
 @pytest.mark.parametrize("tokens,depth", NEEDLE_CASES)
 def test_needle_budget_512(dense, oasis_512, tok, tokens, depth):
     p = needle.build(tok, tokens, depth)
-    n_prompt = len(tok.apply_chat_template(p.messages, add_generation_prompt=True))
+    n_prompt = len(needle.chat_ids(tok, p.messages))
     assert n_prompt >= 4 * 512
     d = chat(dense.url, p.messages)
     assert p.answer in d, f"dense failed on this case ({tokens}, {depth}): {d!r}; pick another case"
