@@ -38,6 +38,7 @@ class OasisStats:
     admitted_blocks: int = 0
     evicted_blocks: int = 0
     bytes_h2d: int = 0
+    last_rows: list = field(default_factory=list)
     last_context_tokens: list = field(default_factory=list)
     last_resident_tokens: list = field(default_factory=list)
 
@@ -164,14 +165,13 @@ class OasisSparseKV:
             page_of = pages[adm.batch, adm.block]
             kb, vb = self.host.read_blocks(li, adm.head, page_of)
             self.ws.load(li, rows_d, adm, kb, vb)
-        n_wanted = int((wanted >= 0).sum())
         self.stats.admitted_blocks += int(adm.block.numel())
         self.stats.evicted_blocks += adm.evicted
-        self.stats.hit_blocks += n_wanted - int(adm.block.numel())
+        self.stats.hit_blocks += adm.hits
         self.stats.bytes_h2d += int(adm.block.numel()) * self._block_bytes
         # 5. write-through and attention over the working set
         self.ws.write_token(li, rows_d, seq - 1, k_new, v_new)
-        out = q.new_empty((q.shape[0], q.shape[1] if q.dim() == 3 else -1, self.v_head_dim))
+        out = q.new_empty((q.shape[0], q.shape[1], self.v_head_dim))
         seq_c = seq.tolist()
         resident = []
         for b, r in enumerate(rows_d.tolist()):
@@ -179,6 +179,7 @@ class OasisSparseKV:
             out[b] = attn.decode_attention(q[b], kw, vw, scale)
             resident.append(kw.shape[0])
         if li == 0:
+            self.stats.last_rows = rows_d.tolist()
             self.stats.last_context_tokens = seq_c
             self.stats.last_resident_tokens = resident
         return out

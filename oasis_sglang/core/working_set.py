@@ -24,6 +24,7 @@ class Admission:
     entry: torch.Tensor   # slot entry in [0, K)
     block: torch.Tensor   # logical block id
     evicted: int          # admissions that replaced a resident block
+    hits: int             # wanted blocks already resident (no traffic)
 
 
 class WorkingSet:
@@ -111,7 +112,7 @@ class WorkingSet:
         ids[rows] = new_held
         self.last_used[layer][rows] = torch.where(used, torch.full_like(held, step), self.last_used[layer][rows])
         return Admission(batch=b, head=h, entry=dest, block=blocks[b, h, e],
-                         evicted=int((~was_free).sum()))
+                         evicted=int((~was_free).sum()), hits=int(in_held.sum()))
 
     def load(self, layer: int, rows: torch.Tensor, adm: Admission, k_blocks: torch.Tensor, v_blocks: torch.Tensor) -> None:
         """Copy admitted blocks (``k_blocks [M, bs, D]``, ``v_blocks [M, bs, Dv]``) into their slots."""

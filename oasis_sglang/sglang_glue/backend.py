@@ -76,9 +76,12 @@ class OasisAttnBackend(AttentionBackend):
         return o.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
 
     def _maybe_log(self):
+        """Log on the first decode step of a new batch composition and every ``log_interval`` steps."""
         s = self.engine.stats
-        if s.decode_steps != 1 and s.decode_steps % self.log_interval:
+        rows = tuple(s.last_rows)
+        if rows == getattr(self, "_logged_rows", None) and s.decode_steps % self.log_interval:
             return
+        self._logged_rows = rows
         logger.info(format_residency(self.engine.residency()))
 
 

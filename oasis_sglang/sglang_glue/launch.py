@@ -27,8 +27,10 @@ def base_args(device: Optional[str] = None, max_total_tokens: int = 65536, max_r
     smoke run uses ``torch_native`` so dense and oasis issue the same SDPA calls.
     """
     device = device or ("cuda" if has_cuda() else "cpu")
+    # --sleep-on-idle: an idle SGLang scheduler otherwise spins a core, starving the other
+    # servers of a test run on a 2-core machine
     args = ["--max-total-tokens", str(max_total_tokens), "--max-running-requests", str(max_running_requests),
-            "--log-level", "info"]
+            "--log-level", "info", "--sleep-on-idle"]
     if device == "cpu":
         args += ["--device", "cpu", "--attention-backend", "torch_native", "--dtype", "float32"]
     else:

@@ -8,6 +8,7 @@ Raises ``OasisConfigError`` (a ``ValueError``) naming the flag or key on bad inp
 from __future__ import annotations
 
 import logging
+import os
 
 from ..config import OasisConfig, OasisConfigError
 
@@ -30,7 +31,9 @@ def handle_kv_sparse_args(args) -> OasisConfig:
 
     Sets ``page_size`` to ``block_size`` and the attention backend to ``torch_native`` on CPU
     when they are unset, disables CUDA graphs (the reference path synchronises with the
-    host), and stores the normalised config JSON back in ``args.kv_sparse_config``.
+    host) and overlap scheduling, makes admission reserve prompt + max_new_tokens in the
+    token pool (= host tier), bounds ``--max-running-requests`` (default 64), and stores the
+    normalised config JSON back in ``args.kv_sparse_config``.
 
     Raises:
         OasisConfigError: bad ``--kv-sparse-config`` key/value or an unsupported combination.
@@ -72,6 +75,17 @@ def handle_kv_sparse_args(args) -> OasisConfig:
         # the working set is preallocated per request row: keep the row count bounded
         args.max_running_requests = DEFAULT_MAX_RUNNING_REQUESTS
         logger.info("OasisKV: --max-running-requests defaults to %d", DEFAULT_MAX_RUNNING_REQUESTS)
+    # The host tier is SGLang's token pool: admit a request only when its prompt plus its whole
+    # max_new_tokens fit (SGLang's default estimates 70% decaying to 10% of max_new_tokens and
+    # retracts requests when decode runs out of room).
+    init_ratio = float(os.environ.setdefault("SGLANG_INIT_NEW_TOKEN_RATIO", "0.7"))
+    if args.schedule_conservativeness * init_ratio < 1.0:
+        args.schedule_conservativeness = 1.01 / init_ratio
+    os.environ["SGLANG_MIN_NEW_TOKEN_RATIO_FACTOR"] = "1.0"
+    if not getattr(args, "disable_overlap_schedule", True):
+        # overlap scheduling frees a finished request while the next batch may still run it
+        logger.info("OasisKV: disabling the overlap scheduler (working sets are freed with requests)")
+        args.disable_overlap_schedule = True
     if not args.disable_cuda_graph:
         logger.info("OasisKV: disabling CUDA graphs (the reference selection path syncs with the host)")
         args.disable_cuda_graph = True

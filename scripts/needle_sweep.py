@@ -1,0 +1,68 @@
+#!/usr/bin/env python3
+"""Needle sweep: dense SGLang vs --kv-sparse oasis configs on SmolLM2-135M-Instruct.
+
+For each haystack length (tokens of Paul Graham essays) and needle depth, asks the needle
+question through the OpenAI-compatible API of each server and prints a markdown table of
+answers (correct = the planted number appears). One server at a time, same host, same prompts.
+
+    python scripts/needle_sweep.py --lengths 2048,4096,6000 --depths 0.2,0.5,0.8 \
+        --oasis '{"budget_tokens": 512}' --oasis '{"budget_tokens": 512, "block_size": 8}'
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--lengths", default="2048,4096,6000")
+    p.add_argument("--depths", default="0.2,0.5,0.8")
+    p.add_argument("--oasis", action="append", default=[], help="a --kv-sparse-config JSON (repeatable)")
+    p.add_argument("--port", type=int, default=30600)
+    p.add_argument("--out", type=Path, default=ROOT / "out" / "needle_sweep")
+    a = p.parse_args()
+    import requests
+    from tqdm import tqdm
+    from transformers import AutoTokenizer
+
+    from oasis_sglang import needle
+    from oasis_sglang.models import prepare_smollm2
+    from oasis_sglang.sglang_glue.launch import base_args, launch, oasis_args
+
+    model = str(prepare_smollm2())
+    tok = AutoTokenizer.from_pretrained(model)
+    cases = [(int(L), float(d)) for L in a.lengths.split(",") for d in a.depths.split(",")]
+    prompts = {c: needle.build(tok, *c) for c in cases}
+    configs = [("dense", [])] + [(f"oasis {c}", oasis_args(**json.loads(c))) for c in (a.oasis or ['{"budget_tokens": 512}'])]
+    table = {}
+    for name, extra in configs:
+        srv = launch(model, a.port, base_args() + extra, a.out / f"{len(table)}.log")
+        try:
+            for c in tqdm(cases, desc=name):
+                r = requests.post(srv.url + "/v1/chat/completions", json={
+                    "model": "m", "messages": prompts[c].messages, "max_tokens": 16, "temperature": 0}, timeout=1800)
+                ans = r.json()["choices"][0]["message"]["content"]
+                table[(name, c)] = (prompts[c].answer in ans, ans.strip())
+        finally:
+            srv.stop()
+    print(f"\n{time.strftime('%Y-%m-%d')}: needle '{needle.NEEDLE}' / '{needle.QUESTION}'\n")
+    print("| length | depth | " + " | ".join(n for n, _ in configs) + " |")
+    print("|---|---|" + "---|" * len(configs))
+    for c in cases:
+        cells = [("yes" if table[(n, c)][0] else f"no ({table[(n, c)][1][:40]!r})") for n, _ in configs]
+        print(f"| {c[0]} | {c[1]} | " + " | ".join(cells) + " |")
+    for n, _ in configs:
+        print(f"{n}: {sum(table[(n, c)][0] for c in cases)}/{len(cases)} correct")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

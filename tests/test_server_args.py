@@ -1,0 +1,47 @@
+"""--kv-sparse handling in the patched ServerArgs (no server start: fast)."""
+
+import os
+
+import pytest
+from sglang.srt.server_args import ServerArgs
+
+from oasis_sglang.config import OasisConfigError
+from oasis_sglang.models import prepare_smollm2
+
+
+@pytest.fixture(scope="module")
+def model():
+    return str(prepare_smollm2())
+
+
+def make(model, **kw):
+    return ServerArgs(model_path=model, device="cpu", **kw)
+
+
+def test_none_leaves_sglang_alone(model):
+    a = make(model)
+    assert a.kv_sparse == "none" and a.page_size == 1
+
+
+def test_oasis_sets_dependent_defaults(model):
+    a = make(model, kv_sparse="oasis", kv_sparse_config='{"budget_tokens": 512, "block_size": 8}')
+    assert a.page_size == 8 and a.attention_backend == "torch_native"
+    assert a.disable_cuda_graph and a.disable_overlap_schedule
+    assert a.max_running_requests == 64
+    # admission reserves prompt + max_new_tokens: SGLang's new-token ratio pinned at 1.0
+    assert a.schedule_conservativeness * float(os.environ["SGLANG_INIT_NEW_TOKEN_RATIO"]) >= 1.0
+    assert float(os.environ["SGLANG_MIN_NEW_TOKEN_RATIO_FACTOR"]) == 1.0
+    assert '"budget_tokens": 512' in a.kv_sparse_config
+
+
+@pytest.mark.parametrize("kw,key", [
+    (dict(kv_sparse_config='{"budget": 512}'), "budget"),
+    (dict(page_size=4), "--page-size"),
+    (dict(attention_backend="flashinfer"), "--attention-backend"),
+    (dict(speculative_algorithm="EAGLE3"), "--speculative-algorithm"),
+    (dict(enable_mixed_chunk=True), "--enable-mixed-chunk"),
+    (dict(kv_cache_dtype="fp8_e4m3"), "--kv-cache-dtype"),
+])
+def test_bad_combinations_name_the_flag(model, kw, key):
+    with pytest.raises(OasisConfigError, match=key):
+        make(model, kv_sparse="oasis", **kw)
