@@ -64,10 +64,6 @@ class OasisKVPool(MHATokenToKVPool):
         loc, _, _ = unwrap_write_loc(loc_info)
         self.oasis.write_kv(layer_id, loc, cache_k, cache_v)
 
-    def get_kv_size_bytes(self):
-        k, v = super().get_kv_size_bytes()
-        return k, v
-
 
 def build_mha_kv_pool_hook(original, self, *args, **kwargs):
     """AROUND ``KVCacheConfigurator._build_mha_kv_pool``: OasisKVPool when ``--kv-sparse oasis``."""
