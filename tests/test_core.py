@@ -227,3 +227,15 @@ def test_reset_rows_frees_everything(seed):
     assert (eng.ws.ids[:, 2] >= 0).any()
     eng.reset_rows([2])
     assert (eng.ws.ids == -1).all()
+
+
+def test_first_decode_step_of_a_request_is_flagged(seed):
+    eng = _engine(budget=16)
+    rt = torch.zeros(4, 256, dtype=torch.int32)
+    _run_request(eng, 1, 2, 20, 1, 6, rt, _paged_locs(21))
+    assert eng.stats.new_request_started        # first decode of row 2
+    _run_request(eng, 1, 2, 20, 1, 6, rt, _paged_locs(21))
+    assert not eng.stats.new_request_started    # same row, no reset: the request goes on
+    eng.reset_rows([2])
+    _run_request(eng, 1, 2, 20, 1, 6, rt, _paged_locs(21))
+    assert eng.stats.new_request_started        # row freed and reused: a new request

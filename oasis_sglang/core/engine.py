@@ -39,6 +39,7 @@ class OasisStats:
     evicted_blocks: int = 0
     bytes_h2d: int = 0
     last_rows: list = field(default_factory=list)
+    new_request_started: bool = False
     last_context_tokens: list = field(default_factory=list)
     last_resident_tokens: list = field(default_factory=list)
 
@@ -73,6 +74,7 @@ class OasisSparseKV:
         self.ws = WorkingSet(L, num_rows, head_num, cfg.budget_blocks, self.bs, head_dim, v_head_dim, dtype, self.device)
         self.stats = OasisStats()
         self._step = 0
+        self._fresh_rows: set[int] = set(range(num_rows))   # rows whose next decode starts a request
         self._block_bytes = self.bs * (head_dim + v_head_dim) * torch.empty((), dtype=dtype).element_size()
 
     def is_sparse(self, layer_id: int) -> bool:
@@ -179,7 +181,10 @@ class OasisSparseKV:
             out[b] = attn.decode_attention(q[b], kw, vw, scale)
             resident.append(kw.shape[0])
         if li == 0:
-            self.stats.last_rows = rows_d.tolist()
+            rows_c = rows_d.tolist()
+            self.stats.new_request_started = bool(self._fresh_rows.intersection(rows_c))
+            self._fresh_rows.difference_update(rows_c)
+            self.stats.last_rows = rows_c
             self.stats.last_context_tokens = seq_c
             self.stats.last_resident_tokens = resident
         return out
@@ -188,6 +193,7 @@ class OasisSparseKV:
     def reset_rows(self, rows) -> None:
         """Free the working set of finished (or newly allocated) request rows."""
         self.ws.reset_rows(rows)
+        self._fresh_rows.update(int(r) for r in rows)
 
     def residency(self) -> dict:
         """KV residency of the last decode step and memory sizes (bytes)."""

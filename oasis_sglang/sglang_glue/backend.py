@@ -76,13 +76,10 @@ class OasisAttnBackend(AttentionBackend):
         return o.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
 
     def _maybe_log(self):
-        """Log on the first decode step of a new batch composition and every ``log_interval`` steps."""
+        """Log on the first decode step of a request and every ``log_interval`` decode steps."""
         s = self.engine.stats
-        rows = tuple(s.last_rows)
-        if rows == getattr(self, "_logged_rows", None) and s.decode_steps % self.log_interval:
-            return
-        self._logged_rows = rows
-        logger.info(format_residency(self.engine.residency()))
+        if s.new_request_started or s.decode_steps % self.log_interval == 0:
+            logger.info(format_residency(self.engine.residency()))
 
 
 def format_residency(r: dict) -> str:
