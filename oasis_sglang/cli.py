@@ -21,7 +21,11 @@ def _patch(args) -> int:
                 version = patching.sglang_version()
             except Exception:  # noqa: BLE001
                 version = "not installed"
-            print(f"sglang {version} at {root or patching.sglang_root()}")
+            where = root or patching.sglang_root()
+            if root is not None and not (root / "sglang").is_dir():
+                print(f"no sglang package under {root}", file=sys.stderr)
+                return 2
+            print(f"sglang {version if root is None else '(custom root)'} at {where}")
             for spec, st in patching.status(root):
                 print(f"  {spec.name}: {st}  ({spec.target})")
             return 0
@@ -35,6 +39,10 @@ def _patch(args) -> int:
         return 0
     except patching.PatchError as e:
         print(f"oasis-sglang patch {args.action}: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:   # e.g. a read-only site-packages: nothing was changed
+        print(f"oasis-sglang patch {args.action}: error: {e.strerror}: {e.filename} "
+              f"(no file was changed; run with write access to the sglang install)", file=sys.stderr)
         return 2
 
 

@@ -13,6 +13,9 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 
+MAX_BUDGET_TOKENS = 1 << 20   # beyond any context SGLang serves; the model check is tighter
+
+
 class OasisConfigError(ValueError):
     """A ``--kv-sparse-config`` key is unknown, mistyped or out of range."""
 
@@ -66,10 +69,10 @@ class OasisConfig:
             raise OasisConfigError(
                 f"kv_sparse_config: 'recent_blocks' must be >= 1 (the block being decoded is "
                 f"always resident), got {self.recent_blocks}")
-        if self.budget_tokens <= 0 or self.budget_tokens % bs:
+        if self.budget_tokens <= 0 or self.budget_tokens % bs or self.budget_tokens > MAX_BUDGET_TOKENS:
             raise OasisConfigError(
                 f"kv_sparse_config: 'budget_tokens' must be a positive multiple of block_size "
-                f"({bs}), got {self.budget_tokens}")
+                f"({bs}) and at most {MAX_BUDGET_TOKENS}, got {self.budget_tokens}")
         if self.budget_blocks <= self.sink_blocks + self.recent_blocks:
             raise OasisConfigError(
                 f"kv_sparse_config: 'budget_tokens' ({self.budget_tokens}) leaves no room for top-K "
@@ -116,7 +119,7 @@ class OasisConfig:
             return cls()
         try:
             d = json.loads(text)
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, ValueError) as e:
             raise OasisConfigError(f"kv_sparse_config is not valid JSON ({e}): {text!r}") from None
         return cls.from_dict(d)
 

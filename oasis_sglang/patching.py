@@ -110,9 +110,13 @@ def check(root: Path | None = None, check_version: bool = True) -> None:
     root = root or sglang_root()
     for s in series:
         st = state(s, root)
-        if st in ("unknown", "missing"):
-            raise PatchError(f"{s.target} is {st}: its SHA-256 matches neither pristine sglang=={expected} "
-                             f"nor the patched file; refusing to touch it (reinstall sglang=={expected})")
+        fix = f"restore it with: pip install --force-reinstall --no-deps sglang=={expected}"
+        if st == "missing":
+            raise PatchError(f"{root / s.target} does not exist: is sglang installed under {root}? ({fix})")
+        if st == "unknown":
+            raise PatchError(f"{s.target} is unknown: its SHA-256 matches neither pristine sglang=={expected} "
+                             f"nor the patched file (edited locally, or patched by another oasis-sglang "
+                             f"version); refusing to touch it ({fix}, then apply)")
 
 
 def apply(root: Path | None = None, check_version: bool = True) -> list[str]:

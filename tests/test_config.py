@@ -22,6 +22,8 @@ def test_frozen():
 @pytest.mark.parametrize("text,key", [
     ('{"budget_tokenz": 512}', "budget_tokenz"),
     ('{"budget_tokens": 500}', "budget_tokens"),
+    ('{"budget_tokens": 1099511627776}', "budget_tokens"),
+    ('{"budget_tokens": 1' + "0" * 5000 + '}', "kv_sparse_config"),
     ('{"budget_tokens": "512"}', "budget_tokens"),
     ('{"budget_tokens": true}', "budget_tokens"),
     ('{"block_size": 12}', "block_size"),

@@ -239,3 +239,10 @@ def test_first_decode_step_of_a_request_is_flagged(seed):
     eng.reset_rows([2])
     _run_request(eng, 1, 2, 20, 1, 6, rt, _paged_locs(21))
     assert eng.stats.new_request_started        # row freed and reused: a new request
+
+
+def test_memory_plan_matches_allocation(seed):
+    cfg = OasisConfig(budget_tokens=16, block_size=4, dense_layers=(0,))
+    plan = OasisSparseKV.memory_plan(cfg, 3, 512, 4, 2, 8, 8, 4)
+    eng = OasisSparseKV(cfg, 3, 512, 4, 2, 8, 8, torch.float32, "cpu")
+    assert plan == {"working_set": eng.ws.nbytes, "summaries": eng.summaries.nbytes, "host_tier": eng.host.nbytes}

@@ -45,3 +45,20 @@ def test_oasis_sets_dependent_defaults(model):
 def test_bad_combinations_name_the_flag(model, kw, key):
     with pytest.raises(OasisConfigError, match=key):
         make(model, kv_sparse="oasis", **kw)
+
+
+@pytest.mark.parametrize("kw,key", [
+    (dict(kv_sparse_config='{"dense_layers": [30]}'), "dense_layers"),
+    (dict(kv_sparse_config='{"dense_layers": %s}' % list(range(30))), "dense_layers"),
+    (dict(kv_sparse_config='{"budget_tokens": 16384}'), "budget_tokens"),
+    (dict(chunked_prefill_size=100), "--chunked-prefill-size"),
+    (dict(max_running_requests=0), "--max-running-requests"),
+])
+def test_model_dependent_checks_fail_before_loading(model, kw, key):
+    with pytest.raises(OasisConfigError, match=key):
+        make(model, kv_sparse="oasis", **kw)
+
+
+def test_config_without_oasis_is_an_error(model):
+    with pytest.raises(OasisConfigError, match="--kv-sparse oasis"):
+        make(model, kv_sparse_config='{"budget_tokens": 512}')

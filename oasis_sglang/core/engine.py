@@ -77,6 +77,21 @@ class OasisSparseKV:
         self._fresh_rows: set[int] = set(range(num_rows))   # rows whose next decode starts a request
         self._block_bytes = self.bs * (head_dim + v_head_dim) * torch.empty((), dtype=dtype).element_size()
 
+    @staticmethod
+    def memory_plan(cfg: OasisConfig, num_layers: int, num_tokens: int, num_rows: int, head_num: int,
+                    head_dim: int, v_head_dim: int, dtype_bytes: int) -> dict:
+        """Bytes the state will allocate, before allocating it.
+
+        Returns ``{"working_set": device bytes, "summaries": device bytes, "host_tier": host bytes}``.
+        """
+        L = num_layers - len([x for x in cfg.dense_layers if x < num_layers])
+        pages = -(-num_tokens // cfg.block_size)
+        return {
+            "working_set": L * num_rows * head_num * cfg.budget_tokens * (head_dim + v_head_dim) * dtype_bytes,
+            "summaries": 2 * L * pages * head_num * head_dim * dtype_bytes,
+            "host_tier": L * pages * cfg.block_size * head_num * (head_dim + v_head_dim) * dtype_bytes,
+        }
+
     def is_sparse(self, layer_id: int) -> bool:
         return layer_id in self.index
 

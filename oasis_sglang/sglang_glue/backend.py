@@ -115,10 +115,11 @@ def init_attention_backends_hook(result, model_runner, *args, **kwargs):
     if pool.start_layer != 0 or pool.layer_num != mc.num_hidden_layers:
         raise OasisConfigError("--kv-sparse oasis: pipeline parallelism is not supported")
     rtp = model_runner.req_to_token_pool
-    engine = OasisSparseKV(cfg, num_layers=pool.layer_num, num_tokens=pool.size + pool.page_size,
-                           num_rows=rtp.req_to_token.shape[0], head_num=pool.head_num,
-                           head_dim=pool.head_dim, v_head_dim=pool.v_head_dim, dtype=pool.dtype,
-                           device=model_runner.device)
+    dims = dict(num_layers=pool.layer_num, num_tokens=pool.size + pool.page_size, num_rows=rtp.req_to_token.shape[0],
+                head_num=pool.head_num, head_dim=pool.head_dim, v_head_dim=pool.v_head_dim)
+    check_memory(cfg, OasisSparseKV.memory_plan(cfg, **dims, dtype_bytes=torch.empty((), dtype=pool.dtype).element_size()),
+                 model_runner.device)
+    engine = OasisSparseKV(cfg, **dims, dtype=pool.dtype, device=model_runner.device)
     pool.oasis = engine
     rtp._oasis = engine
     interval = getattr(sa, "decode_log_interval", 40) or 40
@@ -145,6 +146,32 @@ def init_attention_backends_hook(result, model_runner, *args, **kwargs):
         cfg.block_size, engine.ws.R, engine.ws.nbytes / 2**20, engine.summaries.nbytes / 2**20,
         engine.host.nbytes / 2**20, engine.host.capacity_tokens)
     return result
+
+
+def check_memory(cfg: OasisConfig, plan: dict, device) -> None:
+    """Refuse to start when the OasisKV state cannot fit, naming the flags that size it.
+
+    Raises:
+        OasisConfigError: working set + summaries exceed free device memory, or the host tier
+            exceeds available host memory.
+    """
+    import psutil
+
+    host_free = psutil.virtual_memory().available
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        dev_free = torch.cuda.mem_get_info(dev)[0]
+        host_need = plan["host_tier"]
+    else:   # CPU: everything lives in host memory
+        dev_free, host_need = host_free, plan["host_tier"] + plan["working_set"] + plan["summaries"]
+    gib = lambda b: f"{b / 2**30:.2f} GiB"  # noqa: E731
+    if plan["working_set"] + plan["summaries"] > dev_free or host_need > host_free:
+        raise OasisConfigError(
+            f"--kv-sparse oasis: not enough memory: device working set {gib(plan['working_set'])} "
+            f"(budget_tokens={cfg.budget_tokens} x --max-running-requests rows), summaries "
+            f"{gib(plan['summaries'])} and host tier {gib(plan['host_tier'])} (--max-total-tokens) vs "
+            f"{gib(dev_free)} free on {dev.type} and {gib(host_free)} host memory available; lower "
+            f"budget_tokens, --max-running-requests or --max-total-tokens")
 
 
 def req_free_hook(self, req, *args, **kwargs):

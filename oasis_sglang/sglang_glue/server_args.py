@@ -39,17 +39,23 @@ def handle_kv_sparse_args(args) -> OasisConfig:
         OasisConfigError: bad ``--kv-sparse-config`` key/value or an unsupported combination.
         RuntimeError: the oasis-sglang plugin's hook targets do not resolve in this SGLang.
     """
+    if args.kv_sparse == "none":
+        raise OasisConfigError("--kv-sparse-config is set but --kv-sparse is 'none': add --kv-sparse oasis "
+                               "or drop --kv-sparse-config")
     if args.kv_sparse != "oasis":
         raise OasisConfigError(f"--kv-sparse: unknown mode {args.kv_sparse!r} (choices: none, oasis)")
     cfg = OasisConfig.from_json(args.kv_sparse_config)
+    cpu = _is_cpu(args)
+    if cpu:
+        _check_cpu_ops()
     from .hooks import check_plugin_ready
 
     check_plugin_ready()
+    _check_model(args, cfg)
 
     def bad(flag: str, why: str):
         raise OasisConfigError(f"--kv-sparse oasis: {flag} {why}")
 
-    cpu = _is_cpu(args)
     for flag in ("attention_backend", "prefill_attention_backend", "decode_attention_backend"):
         val = getattr(args, flag, None)
         if val is not None and val not in SUPPORTED_ATTENTION_BACKENDS:
@@ -69,8 +75,14 @@ def handle_kv_sparse_args(args) -> OasisConfig:
             bad("--" + flag.replace("_", "-"), "cannot be combined")
     if getattr(args, "disaggregation_mode", "null") not in (None, "null"):
         bad("--disaggregation-mode", "is not supported yet (PD disaggregation is a later milestone)")
-    if getattr(args, "tp_size", 1) != 1 or getattr(args, "pp_size", 1) != 1:
-        bad("--tp-size/--pp-size", "must be 1 for now")
+    for flag in ("tp_size", "pp_size", "dp_size"):
+        if getattr(args, flag, 1) not in (None, 1):
+            bad("--" + flag.replace("_", "-"), "must be 1 for now")
+    if args.max_running_requests is not None and args.max_running_requests < 1:
+        bad("--max-running-requests", f"must be >= 1, got {args.max_running_requests}")
+    cps = getattr(args, "chunked_prefill_size", None)
+    if cps is not None and cps > 0 and cps % cfg.block_size:
+        bad("--chunked-prefill-size", f"{cps} must be a multiple of block_size {cfg.block_size} (the page size)")
     if args.max_running_requests is None:
         # the working set is preallocated per request row: keep the row count bounded
         args.max_running_requests = DEFAULT_MAX_RUNNING_REQUESTS
@@ -92,3 +104,45 @@ def handle_kv_sparse_args(args) -> OasisConfig:
     args.kv_sparse_config = cfg.to_json()
     logger.info("OasisKV enabled: %s", args.kv_sparse_config)
     return cfg
+
+
+def _check_cpu_ops() -> None:
+    """On a CPU host SGLang imports ``sgl_kernel``: make sure the torch ops are there.
+
+    Raises:
+        RuntimeError: ``sgl_kernel`` cannot be imported (the CPU shim is off or not installed).
+    """
+    try:
+        import sgl_kernel  # noqa: F401
+    except ImportError as e:
+        import os as _os
+
+        hint = ("OASIS_DISABLE_CPU_SHIM=1 is set" if _os.environ.get("OASIS_DISABLE_CPU_SHIM") == "1"
+                else "is oasis-sglang installed with `pip install .` (not -e), so oasis_sglang_cpu.pth is in site-packages?")
+        raise RuntimeError(f"oasis-sglang: sgl_kernel cannot be imported on this CPU host ({e.__class__.__name__}: "
+                           f"{str(e).strip().splitlines()[0] if str(e).strip() else e!r}); {hint}") from None
+
+
+def _check_model(args, cfg: OasisConfig) -> None:
+    """Check ``dense_layers`` and ``budget_tokens`` against the model's config, when it is local.
+
+    Raises:
+        OasisConfigError: a dense layer is out of range, every layer is dense, or the budget
+            exceeds the context length.
+    """
+    try:
+        from transformers import AutoConfig
+
+        hf = AutoConfig.from_pretrained(args.model_path, trust_remote_code=bool(args.trust_remote_code))
+        hf = getattr(hf, "text_config", None) or hf
+        layers = int(hf.num_hidden_layers)
+        ctx = int(args.context_length or getattr(hf, "max_position_embeddings", 0) or 0)
+    except Exception:  # noqa: BLE001 - remote or exotic configs are checked again at model load
+        return
+    cfg.check_model(layers)
+    if len(cfg.dense_layers) >= layers:
+        raise OasisConfigError(f"kv_sparse_config: 'dense_layers' covers all {layers} layers: nothing is sparse "
+                               f"(use --kv-sparse none)")
+    if ctx and cfg.budget_tokens > ctx:
+        raise OasisConfigError(f"kv_sparse_config: 'budget_tokens' ({cfg.budget_tokens}) exceeds the context "
+                               f"length ({ctx})")
