@@ -18,6 +18,8 @@ def _on_cpu(alloc) -> bool:
 
 def alloc_extend_hook(original, self, prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu,
                       last_loc, extend_num_tokens, num_new_pages=None):
+    """AROUND ``PagedTokenToKVPoolAllocator.alloc_extend``: same contract (``[extend_num_tokens]``
+    int64 locations, or ``None`` when out of pages, taking nothing), computed in torch on CPU."""
     if not _on_cpu(self):
         return original(self, prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc,
                         extend_num_tokens, num_new_pages)
@@ -53,6 +55,7 @@ def alloc_decode_torch(seq_lens: torch.Tensor, last_loc: torch.Tensor, free_page
 
 
 def alloc_decode_hook(original, self, seq_lens, seq_lens_cpu, last_loc):
+    """AROUND ``PagedTokenToKVPoolAllocator.alloc_decode``: ``[B]`` int64 locations or ``None``."""
     if not _on_cpu(self):
         return original(self, seq_lens, seq_lens_cpu, last_loc)
     need = int((((seq_lens_cpu - 1) % self.page_size) == 0).sum())
