@@ -52,8 +52,9 @@ def main() -> int:
     results = {}
     for name, extra in runs:
         t0 = time.time()
-        print(f"[{name}] starting SGLang ({' '.join(extra) or '--kv-sparse none'}) ...", flush=True)
-        srv = launch(model, a.port, base_args(device) + extra, a.out / f"server_{name}.log")
+        print(f"[{name}] starting SGLang ({' '.join(extra) or '--kv-sparse none'}); log: "
+              f"{a.out / f'server_{name}.log'} ...", flush=True)
+        srv = launch(model, a.port, base_args(device) + extra, a.out / f"server_{name}.log", echo=False)
         try:
             client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none")
             t1 = time.time()

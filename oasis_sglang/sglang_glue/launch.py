@@ -66,8 +66,12 @@ class Server:
             self._log.close()
 
 
-def launch(model: str, port: int, args: list[str], log_path: Path, timeout: float = 600) -> Server:
-    """Start ``python -m sglang.launch_server`` and wait until it serves.
+def launch(model: str, port: int, args: list[str], log_path: Path, timeout: float = 600,
+           echo: bool = True) -> Server:
+    """Start an SGLang server (``sglang serve``) and wait until it serves.
+
+    The server's output goes to ``log_path``; with ``echo`` (default) also to this process's
+    stdout/stderr, as SGLang's launcher does.
 
     Raises:
         Exception: from ``popen_launch_server`` when the server does not come up in ``timeout`` s
@@ -96,9 +100,16 @@ def launch(model: str, port: int, args: list[str], log_path: Path, timeout: floa
         env["SGLANG_USE_CPU_ENGINE"] = "1"
     f = open(log_path, "w")
     url = f"http://127.0.0.1:{port}"
+    import contextlib
+
+    quiet = open(os.devnull, "w") if not echo else None
     try:
-        proc = popen_launch_server(model, url, timeout=timeout, other_args=args, env=env,
-                                   return_stdout_stderr=(f, f), device="cpu" if env.get("SGLANG_USE_CPU_ENGINE") else "auto")
+        # popen_launch_server tees the server's output to sys.stdout/stderr as they are now
+        with (contextlib.redirect_stdout(quiet) if quiet else contextlib.nullcontext()), \
+                (contextlib.redirect_stderr(quiet) if quiet else contextlib.nullcontext()):
+            proc = popen_launch_server(model, url, timeout=timeout, other_args=args, env=env,
+                                       return_stdout_stderr=(f, f),
+                                       device="cpu" if env.get("SGLANG_USE_CPU_ENGINE") else "auto")
     except Exception:
         f.close()
         raise
