@@ -52,6 +52,7 @@ def _patch(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``oasis-sglang``; returns the exit code (0 ok, 2 refused)."""
     p = argparse.ArgumentParser(prog="oasis-sglang", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)

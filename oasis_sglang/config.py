@@ -99,6 +99,7 @@ class OasisConfig:
 
     @classmethod
     def keys(cls) -> list[str]:
+        """Names of the valid ``--kv-sparse-config`` keys."""
         return [f.name for f in dataclasses.fields(cls)]
 
     @classmethod
@@ -136,6 +137,7 @@ class OasisConfig:
                 f"{num_layers} layers")
 
     def to_json(self) -> str:
+        """Normalised JSON of this config (round-trips through ``from_json``)."""
         d = dataclasses.asdict(self)
         d["dense_layers"] = list(self.dense_layers)
         return json.dumps(d)

@@ -100,6 +100,7 @@ def essay_texts() -> list[tuple[str, str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m oasis_sglang.models``: prepare SmolLM2 and print its folder."""
     import argparse
 
     p = argparse.ArgumentParser(description="Prepare SmolLM2-135M-Instruct as a Hugging Face folder.")

@@ -24,6 +24,7 @@ class PatchError(RuntimeError):
 
 @dataclass(frozen=True)
 class PatchSpec:
+    """One entry of ``patches/series.json``: patch file, target (relative to site-packages), hashes, reason."""
     name: str
     target: str
     pristine_sha256: str
@@ -36,6 +37,7 @@ def _patch_dir() -> Path:
 
 
 def load_series() -> tuple[str, list[PatchSpec]]:
+    """Return ``(sglang_version, [PatchSpec, ...])`` from ``patches/series.json``."""
     data = json.loads((_patch_dir() / "series.json").read_text())
     return data["sglang_version"], [PatchSpec(**p) for p in data["patches"]]
 
@@ -51,12 +53,14 @@ def sglang_root() -> Path:
 
 
 def sglang_version() -> str:
+    """Version string of the installed ``sglang`` distribution."""
     from importlib.metadata import version
 
     return version("sglang")
 
 
 def sha256(path: Path) -> str:
+    """Hex SHA-256 of a file's bytes."""
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
@@ -97,6 +101,7 @@ def _run_patch(spec: PatchSpec, root: Path, reverse: bool) -> None:
 
 
 def status(root: Path | None = None) -> list[tuple[PatchSpec, str]]:
+    """``[(PatchSpec, state), ...]`` for every patch; see :func:`state`."""
     root = root or sglang_root()
     _, series = load_series()
     return [(s, state(s, root)) for s in series]

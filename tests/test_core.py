@@ -7,7 +7,7 @@ from torch.nn.functional import scaled_dot_product_attention
 
 from oasis_sglang.config import OasisConfig
 from oasis_sglang.core import OasisSparseKV
-from oasis_sglang.core.attention import decode_attention, prefill_attention
+from oasis_sglang.core.attention import decode_attention
 from oasis_sglang.core.host_tier import HostTier
 from oasis_sglang.core.selection import quest_scores, select_blocks
 from oasis_sglang.core.summaries import KeySummaries, block_minmax

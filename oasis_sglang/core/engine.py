@@ -93,6 +93,7 @@ class OasisSparseKV:
         }
 
     def is_sparse(self, layer_id: int) -> bool:
+        """True when ``layer_id`` (model layer index) is served by OasisKV."""
         return layer_id in self.index
 
     # ---- writes -------------------------------------------------------------------------

@@ -34,10 +34,12 @@ class HostTier:
 
     @property
     def capacity_tokens(self) -> int:
+        """Token locations the tier can hold (``P * bs``)."""
         return self.num_pages * self.block_size
 
     @property
     def nbytes(self) -> int:
+        """Host bytes of all K and V buffers."""
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
     def write(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

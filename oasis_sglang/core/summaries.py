@@ -38,6 +38,7 @@ class KeySummaries:
 
     @property
     def nbytes(self) -> int:
+        """Device bytes of all min and max summaries."""
         return sum(t.numel() * t.element_size() for t in self.kmin + self.kmax)
 
     def update(self, layer: int, pages: torch.Tensor, keys: torch.Tensor) -> None:

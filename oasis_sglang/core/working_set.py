@@ -47,6 +47,7 @@ class WorkingSet:
 
     @property
     def nbytes(self) -> int:
+        """Device bytes of all working-set K and V slots."""
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
     def reset_rows(self, rows) -> None:

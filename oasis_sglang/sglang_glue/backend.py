@@ -41,9 +41,11 @@ class OasisAttnBackend(AttentionBackend):
         return getattr(self.inner, name)
 
     def init_forward_metadata(self, forward_batch):
+        """Delegate: the wrapped backend still serves the dense layers."""
         return self.inner.init_forward_metadata(forward_batch)
 
     def support_triton(self):
+        """Delegate to the wrapped backend."""
         return self.inner.support_triton()
 
     def _write(self, layer, forward_batch, k, v, save_kv_cache):
@@ -53,6 +55,7 @@ class OasisAttnBackend(AttentionBackend):
             self.pool.set_kv_buffer(layer, forward_batch.out_cache_loc, k, v)
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        """Prefill: ``q [T, Hq*D]``, ``k/v [T, H*D]`` -> ``[T, Hq*Dv]``; sparse layers via OasisKV, others via the wrapped backend."""
         if not self.engine.is_sparse(layer.layer_id):
             return self.inner.forward_extend(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
         self._write(layer, forward_batch, k, v, save_kv_cache)
@@ -63,6 +66,7 @@ class OasisAttnBackend(AttentionBackend):
         return o.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        """Decode: ``q [B, Hq*D]``, ``k/v [B, H*D]`` -> ``[B, Hq*Dv]``; sparse layers over the working set, others via the wrapped backend."""
         if not self.engine.is_sparse(layer.layer_id):
             return self.inner.forward_decode(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
         self._write(layer, forward_batch, k, v, save_kv_cache)

@@ -15,6 +15,7 @@ PLUGIN_NAME = "oasis"
 
 @dataclass(frozen=True)
 class Hook:
+    """One hooked SGLang symbol: dotted target, HookType name, our implementation and why."""
     target: str           # dotted path in sglang 0.5.17
     kind: str             # HookType name: AROUND / AFTER / BEFORE / REPLACE
     impl: str             # "module:function" in oasis_sglang

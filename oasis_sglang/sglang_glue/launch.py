@@ -15,6 +15,7 @@ from typing import Optional
 
 
 def has_cuda() -> bool:
+    """True when torch sees a CUDA device."""
     import torch
 
     return torch.cuda.is_available()
@@ -40,6 +41,7 @@ def base_args(device: Optional[str] = None, max_total_tokens: int = 65536, max_r
 
 
 def oasis_args(**cfg) -> list[str]:
+    """``--kv-sparse oasis --kv-sparse-config <json of cfg>`` as a flag list."""
     return ["--kv-sparse", "oasis", "--kv-sparse-config", json.dumps(cfg)] if cfg is not None else []
 
 
@@ -53,12 +55,15 @@ class Server:
     _log: object = field(repr=False, default=None)
 
     def log(self) -> str:
+        """The server's whole log so far."""
         return self.log_path.read_text(errors="replace")
 
     def residency_lines(self) -> list[str]:
+        """The ``OasisKV decode:`` lines of the log, oldest first."""
         return [l for l in self.log().splitlines() if "OasisKV decode:" in l]
 
     def stop(self) -> None:
+        """Kill the server's process tree and close its log."""
         from sglang.srt.utils import kill_process_tree
 
         kill_process_tree(self.proc.pid)

@@ -57,6 +57,7 @@ class OasisKVPool(MHATokenToKVPool):
 
     def set_kv_buffer(self, layer, loc_info, cache_k, cache_v, k_scale=None, v_scale=None,
                       layer_id_override=None, dcp_kv_mask=None):
+        """Dense layers: SGLang's write. Sparse layers: ``cache_k/v [N, H, D]`` at ``loc [N]`` into the host tier."""
         layer_id = layer_id_override if layer_id_override is not None else layer.layer_id
         if self._is_dense(layer_id):
             return super().set_kv_buffer(layer, loc_info, cache_k, cache_v, k_scale, v_scale,
