@@ -1,7 +1,33 @@
-"""Triton kernels of OasisKV (imported as ``oasis_sglang.kernels``).
+"""Triton kernels of OasisKV (imported as ``oasis_sglang.kernels``), each beside its torch reference.
 
-Planned (the kernel milestone): key-summary update, block scoring +
-top-K, sparse decode attention over head-wise working sets, and the zero-copy host-to-device
-block gather. Each kernel will sit beside its torch reference in ``oasis_sglang.core``.
-Empty for now: the foundation uses the torch references on every device.
+  write_kv.py       1. host-tier write fused with the per-block min/max key summaries
+  topk.py           2. Quest block scoring (GQA max) + top-K with forced sink/recent blocks
+  sparse_decode.py  3. split-K decode attention over head-wise working sets (1-2 query rows, LSE)
+  copy_blocks.py    4. zero-copy H2D gather / D2H write-back of (KV head, block) pieces
+
+``TritonKVOps`` bundles them behind ``core.ops.BaseKVOps``; ``get_kv_ops(name)`` is the lazy
+factory over the registry ``{"torch", "triton"}`` (Triton is imported only when asked for).
+Tests: ``tests/test_kernels.py`` (CPU under ``TRITON_INTERPRET=1``; marker ``gpu`` on CUDA).
+Speed: ``scripts/bench_kernels.py``.
 """
+
+from __future__ import annotations
+
+import importlib
+
+KV_OPS = {
+    "torch": "oasis_sglang.core.ops:TorchKVOps",
+    "triton": "oasis_sglang.kernels.triton_ops:TritonKVOps",
+}
+
+
+def get_kv_ops(name: str):
+    """A new ops object of backend ``name`` (``"torch"`` or ``"triton"``).
+
+    Raises:
+        ValueError: unknown backend name.
+    """
+    if name not in KV_OPS:
+        raise ValueError(f"OasisKV kernels: unknown backend {name!r}; choose one of {sorted(KV_OPS)}")
+    mod, cls = KV_OPS[name].split(":")
+    return getattr(importlib.import_module(mod), cls)()

@@ -14,6 +14,7 @@ from typing import Any, Optional
 
 
 MAX_BUDGET_TOKENS = 1 << 20   # beyond any context SGLang serves; the model check is tighter
+KERNEL_CHOICES = ("auto", "triton", "torch")
 
 
 class OasisConfigError(ValueError):
@@ -42,6 +43,9 @@ class OasisConfig:
             token being decoded. Default 2; at least 1.
         dense_layers: layers that keep the full KV cache on the device and use SGLang's
             attention backend unchanged (Quest keeps the first two dense). Default (0, 1).
+        kernels: implementation of the OasisKV operations: ``"triton"`` (the kernels in
+            ``oasis_sglang.kernels``; CUDA only), ``"torch"`` (the references in
+            ``core.ops``) or ``"auto"`` (triton on CUDA, torch otherwise). Default "auto".
 
     Raises:
         OasisConfigError: on any invalid value, naming the key.
@@ -53,6 +57,7 @@ class OasisConfig:
     sink_blocks: int = 1
     recent_blocks: int = 2
     dense_layers: tuple[int, ...] = field(default=(0, 1))
+    kernels: str = "auto"
 
     def __post_init__(self) -> None:
         for key in ("budget_tokens", "block_size", "sink_blocks", "recent_blocks"):
@@ -91,6 +96,23 @@ class OasisConfig:
         if len(set(layers)) != len(layers):
             raise OasisConfigError(f"kv_sparse_config: 'dense_layers' has duplicates: {list(layers)}")
         object.__setattr__(self, "dense_layers", tuple(sorted(layers)))
+        if self.kernels not in KERNEL_CHOICES:
+            raise OasisConfigError(
+                f"kv_sparse_config: 'kernels' must be one of {list(KERNEL_CHOICES)}, got {self.kernels!r}")
+
+    def kernel_backend(self, device_type: str) -> str:
+        """The ops backend for a device type (``"cuda"``, ``"cpu"``): resolves ``"auto"``.
+
+        Raises:
+            OasisConfigError: ``kernels="triton"`` on a device other than CUDA.
+        """
+        if self.kernels == "auto":
+            return "triton" if device_type == "cuda" else "torch"
+        if self.kernels == "triton" and device_type != "cuda":
+            raise OasisConfigError(
+                f"kv_sparse_config: 'kernels' is \"triton\" but the device is {device_type}; "
+                f"the Triton kernels need CUDA (use \"torch\" or \"auto\")")
+        return self.kernels
 
     @property
     def budget_blocks(self) -> int:

@@ -35,6 +35,8 @@ def test_frozen():
     ('{"dense_layers": [-1]}', "dense_layers"),
     ('{"dense_layers": 3}', "dense_layers"),
     ('{"budget_tokens": 48, "sink_blocks": 1, "recent_blocks": 2}', "budget_tokens"),
+    ('{"kernels": "cuda"}', "kernels"),
+    ('{"kernels": null}', "kernels"),
 ])
 def test_bad_values_name_the_key(text, key):
     with pytest.raises(OasisConfigError, match=key):
@@ -52,3 +54,11 @@ def test_check_model_layer_range():
     OasisConfig(dense_layers=(0, 29)).check_model(30)
     with pytest.raises(OasisConfigError, match="dense_layers"):
         OasisConfig(dense_layers=(30,)).check_model(30)
+
+
+def test_kernel_backend_resolution():
+    assert OasisConfig().kernel_backend("cuda") == "triton"
+    assert OasisConfig().kernel_backend("cpu") == "torch"
+    assert OasisConfig(kernels="torch").kernel_backend("cuda") == "torch"
+    with pytest.raises(OasisConfigError, match="'kernels'.*cpu"):
+        OasisConfig(kernels="triton").kernel_backend("cpu")

@@ -10,7 +10,7 @@ from oasis_sglang.core import OasisSparseKV
 from oasis_sglang.core.attention import decode_attention
 from oasis_sglang.core.host_tier import HostTier
 from oasis_sglang.core.selection import quest_scores, select_blocks
-from oasis_sglang.core.summaries import KeySummaries, block_minmax
+from oasis_sglang.core.summaries import block_minmax
 from oasis_sglang.core.working_set import WorkingSet
 
 
@@ -39,14 +39,6 @@ def test_block_minmax_exact(seed):
         for d in range(7):
             col = keys[b, :, d].tolist()
             assert lo[b, d].item() == min(col) and hi[b, d].item() == max(col)
-
-
-def test_summaries_update(seed):
-    s = KeySummaries(1, 6, 2, 4, torch.float32, "cpu")
-    keys = torch.randn(2, 3, 8, 4)          # [H, M, bs, D]
-    s.update(0, torch.tensor([5, 0, 2]), keys)
-    assert torch.equal(s.kmin[0][5], keys[:, 0].amin(1)) and torch.equal(s.kmax[0][2], keys[:, 2].amax(1))
-    assert s.kmin[0][1].abs().sum() == 0
 
 
 def test_quest_bound_is_an_upper_bound(seed):

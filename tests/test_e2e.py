@@ -1,6 +1,8 @@
 """End to end on real SGLang serving SmolLM2-135M-Instruct (CPU engine without a GPU).
 
-(a) budget >= prompt + output: greedy output token-for-token identical to --kv-sparse none;
+(a) budget >= prompt + output: greedy output token-for-token identical to --kv-sparse none
+    with the torch reference kernels; on CUDA, with the Triton kernels, greedy output leaves
+    dense only where dense's own top-2 log-probabilities nearly tie;
 (b) budget 512 on needle prompts of 2K-6K tokens: wherever dense answers with the planted
     fact (asserted), oasis does too, with the device working set bounded by the budget;
 (c) bad flags exit non-zero naming the key; an over-long prompt gets HTTP 400 and the server
@@ -56,7 +58,18 @@ def dense(model):
 
 @pytest.fixture(scope="module")
 def oasis_full(model):
-    srv = _server(model, 31211, oasis_args(budget_tokens=4096), "oasis_full")
+    srv = _server(model, 31211, oasis_args(budget_tokens=4096, kernels="torch"), "oasis_full")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def oasis_full_triton(model):
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("the Triton kernels serve only on CUDA (tests/test_kernels.py runs them interpreted)")
+    srv = _server(model, 31213, oasis_args(budget_tokens=4096, kernels="triton"), "oasis_full_triton")
     yield srv
     srv.stop()
 
@@ -68,12 +81,16 @@ def oasis_512(model):
     srv.stop()
 
 
-def generate_ids(url, input_ids, n):
+def generate_ids(url, input_ids, n, top2=False):
     r = requests.post(url + "/generate", json={
-        "input_ids": input_ids, "return_logprob": True,
+        "input_ids": input_ids, "return_logprob": True, "top_logprobs_num": 2 if top2 else 0,
         "sampling_params": {"temperature": 0, "max_new_tokens": n, "ignore_eos": True}}, timeout=900)
     r.raise_for_status()
-    return [t[1] for t in r.json()["meta_info"]["output_token_logprobs"]]
+    meta = r.json()["meta_info"]
+    ids = [t[1] for t in meta["output_token_logprobs"]]
+    if top2:   # log-probability gap between the best and second-best token at each step
+        return ids, [t[0][0] - t[1][0] for t in meta["output_top_logprobs"]]
+    return ids
 
 
 def chat(url, messages, max_tokens=24):
@@ -101,6 +118,24 @@ def test_exact_when_budget_covers_context(dense, oasis_full, tok):
         assert len(p) + n_new <= 4096
         assert g == r, f"prompt of {len(p)} tokens: oasis {g} != dense {r}"
     assert oasis_full.residency_lines(), "the OasisKV decode path did not run"
+
+
+def test_triton_kernels_leave_dense_only_at_near_ties(dense, oasis_full_triton, tok):
+    prompts = _exact_prompts(tok)
+    n_new = 40
+    with cf.ThreadPoolExecutor(len(prompts)) as ex:
+        ref = list(ex.map(lambda p: generate_ids(dense.url, p, n_new, top2=True), prompts))
+        got = list(ex.map(lambda p: generate_ids(oasis_full_triton.url, p, n_new), prompts))
+    same = 0
+    for p, (r, gap), g in zip(prompts, ref, got):
+        first = next((i for i, (a, b) in enumerate(zip(r, g)) if a != b), None)
+        if first is None:
+            same += 1
+            continue
+        assert gap[first] < 0.1, (f"prompt of {len(p)} tokens: oasis (triton) left dense at step {first} "
+                                  f"where dense's top-2 log-prob gap is {gap[first]:.3f}: {g} vs {r}")
+    print(f"{same}/{len(prompts)} prompts token-for-token identical to dense")
+    assert oasis_full_triton.residency_lines(), "the OasisKV decode path did not run"
 
 
 @pytest.mark.parametrize("tokens,depth", NEEDLE_CASES)

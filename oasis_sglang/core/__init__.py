@@ -6,6 +6,8 @@ Pieces (paper: Methodology):
   selection                 Quest upper-bound scoring and top-K block selection
   working_set.WorkingSet    bounded device slot pool + head-wise block table
   attention                 reference attention (prefill over host KV, decode over the working set)
+  ops                       the four hot operations behind BaseKVOps; TorchKVOps = references
+                            (oasis_sglang.kernels.TritonKVOps implements them in Triton)
   engine.OasisSparseKV      the per-layer decode/prefill orchestration
 """
 from .engine import OasisSparseKV  # noqa: F401

@@ -1,18 +1,22 @@
-"""OasisSparseKV: the per-layer OasisKV steps, in torch, on any device.
+"""OasisSparseKV: the per-layer OasisKV steps, on any device.
+
+The heavy operations go through ``self.ops`` (``core.ops``): the torch references by default,
+the Triton kernels of ``oasis_sglang.kernels`` on CUDA.
 
 Synchronous ("current" query) selection, as in the foundation of the paper's pipeline; the
 look-ahead predictor and the asynchronous predict/select/transfer stages build on it.
 
 Decode step of one sparse layer (paper: Methodology):
-  1. write the new token's K/V to the host tier (the full KV cache lives there);
-  2. if it completed a block, summarise that block (min/max keys);
+  1. write the new token's K/V to the host tier (the full KV cache lives there) and fold its
+     key into its block's min/max summary (``ops.write_kv``);
+  2. (a block's summary is final once its last token is written);
   3. score every complete block of each request with the query (Quest bound, GQA max) and
      take the top-K per KV head, sink and recent blocks forced;
   4. bring missing blocks from the host tier into the working set, evicting LRU blocks,
      at most ``fetch_cap`` evicting admissions per (request, KV head);
   5. write the new token into its resident block and attend over the working set.
-Prefill of a sparse layer writes the host tier, summarises complete blocks and attends
-densely over the context read back from the host tier.
+Prefill of a sparse layer writes the host tier and summaries the same way and attends densely
+over the new tokens plus any cached prefix read back from the host tier.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import torch
 from ..config import OasisConfig
 from . import attention as attn
 from .host_tier import HostTier
-from .selection import quest_scores, select_blocks
+from .ops import BaseKVOps, TorchKVOps
 from .summaries import KeySummaries
 from .working_set import WorkingSet
 
@@ -54,14 +58,17 @@ class OasisSparseKV:
         num_rows: request rows (SGLang ``ReqToTokenPool`` size).
         head_num, head_dim, v_head_dim: KV heads and head sizes; dtype: KV dtype.
         device: where the working set and summaries live.
+        ops: the kernels (``core.ops.BaseKVOps``); default the torch references. The glue
+            passes ``oasis_sglang.kernels.get_kv_ops("triton")`` on CUDA.
     Raises:
         OasisConfigError: a dense layer index is out of range.
     """
 
     def __init__(self, cfg: OasisConfig, num_layers: int, num_tokens: int, num_rows: int,
                  head_num: int, head_dim: int, v_head_dim: int, dtype: torch.dtype,
-                 device: torch.device | str):
+                 device: torch.device | str, ops: BaseKVOps | None = None):
         cfg.check_model(num_layers)
+        self.ops = ops if ops is not None else TorchKVOps()
         self.cfg, self.device, self.bs = cfg, torch.device(device), cfg.block_size
         self.head_num, self.head_dim, self.v_head_dim = head_num, head_dim, v_head_dim
         self.sparse_layers = [i for i in range(num_layers) if i not in cfg.dense_layers]
@@ -97,30 +104,28 @@ class OasisSparseKV:
         return layer_id in self.index
 
     # ---- writes -------------------------------------------------------------------------
-    def write_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store new tokens of a sparse layer in the host tier (``loc [N]``, ``k [N, H, D]``)."""
-        self.host.write(self.index[layer_id], loc, k.view(-1, self.head_num, self.head_dim),
-                        v.view(-1, self.head_num, self.v_head_dim))
-
-    def _summarise(self, li: int, pages: torch.Tensor) -> None:
-        pages = pages.to("cpu", torch.int64)
-        if pages.numel():
-            self.summaries.update(li, pages, self.host.k[li][:, pages])
-
-    def _pages(self, req_to_token: torch.Tensor, rows: torch.Tensor, nb_max: int) -> torch.Tensor:
-        """``[B, nb_max]`` page id of each logical block (0 beyond the context)."""
-        cols = torch.arange(nb_max, device=req_to_token.device) * self.bs
-        cols = cols.clamp(max=req_to_token.shape[1] - 1)
-        return torch.div(req_to_token[rows.to(req_to_token.device)][:, cols], self.bs, rounding_mode="floor").long()
+    def write_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 one_token_each: bool = False) -> None:
+        """Store new tokens of a sparse layer in the host tier and fold their keys into the
+        block summaries (``loc [N]``, ``k [N, H, D]``, ``v [N, H, Dv]``; ``ops.write_kv``).
+        ``one_token_each``: each token is in a different block (a decode batch)."""
+        li = self.index[layer_id]
+        s = self.summaries
+        self.ops.write_kv(self.host.k[li], self.host.v[li], s.kmin[li], s.kmax[li], loc,
+                          k.view(-1, self.head_num, self.head_dim), v.view(-1, self.head_num, self.v_head_dim),
+                          self.bs, one_token_each=one_token_each)
 
     # ---- prefill --------------------------------------------------------------------------
     def extend_attention(self, layer_id: int, q: torch.Tensor, rows: torch.Tensor, prefix_lens: torch.Tensor,
-                         extend_lens: torch.Tensor, req_to_token: torch.Tensor, scale: float | None) -> torch.Tensor:
+                         extend_lens: torch.Tensor, req_to_token: torch.Tensor, scale: float | None,
+                         k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None) -> torch.Tensor:
         """Prefill (extend) of a sparse layer whose new K/V were already written (``write_kv``).
 
         Args:
             q: ``[T, Hq, D]`` queries of all new tokens, request after request.
             rows, prefix_lens, extend_lens: ``[B]``. req_to_token: SGLang's ``[R, max_len]`` table.
+            k_new, v_new: ``[T, H, D/Dv]`` the new tokens' K/V (on the device); when given, only
+                the cached prefix is read back from the host tier.
         Returns:
             ``[T, Hq, Dv]``.
         """
@@ -128,25 +133,25 @@ class OasisSparseKV:
         out = q.new_empty((q.shape[0], q.shape[1], self.v_head_dim))
         rows_c, pre_c, ext_c = rows.tolist(), prefix_lens.tolist(), extend_lens.tolist()
         start = 0
-        done_pages = []
         for r, pre, ext in zip(rows_c, pre_c, ext_c):
             n = pre + ext
-            locs = req_to_token[r, :n]
-            k, v = self.host.read_tokens(li, locs)
+            if k_new is None:
+                k, v = self.host.read_tokens(li, req_to_token[r, :n])
+            else:
+                k = k_new[start:start + ext].view(ext, self.head_num, self.head_dim)
+                v = v_new[start:start + ext].view(ext, self.head_num, self.v_head_dim)
+                if pre:
+                    kp, vp = self.host.read_tokens(li, req_to_token[r, :pre])
+                    k, v = torch.cat([kp.to(k.device, k.dtype), k]), torch.cat([vp.to(v.device, v.dtype), v])
             out[start:start + ext] = attn.prefill_attention(q[start:start + ext], k.to(q.device), v.to(q.device), pre, scale)
             start += ext
-            first, last = pre // self.bs, n // self.bs        # blocks completed by this extend
-            if last > first:
-                done_pages.append(torch.div(locs[first * self.bs:last * self.bs:self.bs].cpu(), self.bs, rounding_mode="floor"))
-        if done_pages:
-            self._summarise(li, torch.cat(done_pages))
         return out
 
     # ---- decode ---------------------------------------------------------------------------
     def decode_attention(self, layer_id: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                          rows: torch.Tensor, seq_lens: torch.Tensor, req_to_token: torch.Tensor,
                          scale: float | None) -> torch.Tensor:
-        """Decode of a sparse layer (one new token per request, already in the host tier).
+        """Decode of a sparse layer (one new token per request, already written by ``write_kv``).
 
         Args:
             q: ``[B, Hq, D]``. k_new: ``[B, H, D]``, v_new: ``[B, H, Dv]`` the new tokens.
@@ -155,55 +160,49 @@ class OasisSparseKV:
             ``[B, Hq, Dv]``.
         """
         li = self.index[layer_id]
-        cfg, bs = self.cfg, self.bs
+        cfg, bs, ops = self.cfg, self.bs, self.ops
         if li == 0:
             self._step += 1
             self.stats.decode_steps += 1
         rows_d = rows.to(self.device, torch.int64)
         seq = seq_lens.to(self.device, torch.int64)
-        # 2. a block completed by this token gets its summary
-        done = (seq % bs) == 0
-        if bool(done.any()):
-            pos_last = (seq[done] - 1)
-            locs = req_to_token[rows_d[done].to(req_to_token.device), pos_last.to(req_to_token.device)]
-            self._summarise(li, torch.div(locs, bs, rounding_mode="floor"))
-        # 3. score and select
-        num_blocks = (seq + bs - 1) // bs
-        num_complete = seq // bs
-        nb_max = int(num_blocks.max())
-        pages = self._pages(req_to_token, rows_d, nb_max).to(self.device)
-        kmin = self.summaries.kmin[li][pages]                        # [B, NB, H, D]
-        kmax = self.summaries.kmax[li][pages]
-        scores = quest_scores(q.view(q.shape[0], -1, self.head_dim), kmin, kmax)
-        wanted, forced = select_blocks(scores, num_blocks, num_complete, cfg.budget_blocks,
-                                       cfg.sink_blocks, cfg.recent_blocks)
+        # 3. score and select (summaries of complete blocks were folded in by write_kv)
+        nb_max = -(-int(seq.max()) // bs)
+        rtt = req_to_token if req_to_token.device == self.device else req_to_token.to(self.device)
+        wanted, forced = ops.select_topk(q.view(q.shape[0], -1, self.head_dim), self.summaries.kmin[li],
+                                         self.summaries.kmax[li], rtt, rows_d, seq, bs, cfg.sink_blocks,
+                                         cfg.recent_blocks, nb_max, cfg.budget_blocks)
         # 4. admissions from the host tier
         adm = self.ws.plan(li, rows_d, wanted, forced, self._step, cfg.fetch_cap)
-        if adm.block.numel():
-            page_of = pages[adm.batch, adm.block]
-            kb, vb = self.host.read_blocks(li, adm.head, page_of)
-            self.ws.load(li, rows_d, adm, kb, vb)
-        self.stats.admitted_blocks += int(adm.block.numel())
+        n_adm = int(adm.block.numel())
+        if n_adm:
+            r = rows_d[adm.batch]
+            page_of = torch.div(rtt[r, adm.block * bs].long(), bs, rounding_mode="floor")
+            H, K, P = self.head_num, cfg.budget_blocks, self.host.num_pages
+            ws_k, ws_v = self.ws.k[li], self.ws.v[li]
+            hk, hv = self.host.k[li], self.host.v[li]
+            ops.copy_blocks(ws_k.view(-1, bs * self.head_dim), ws_v.view(-1, bs * self.v_head_dim),
+                            (r * H + adm.head) * K + adm.entry,
+                            hk.view(-1, bs * self.head_dim), hv.view(-1, bs * self.v_head_dim),
+                            (adm.head * P + page_of).to(self.device))
+        self.stats.admitted_blocks += n_adm
         self.stats.evicted_blocks += adm.evicted
         self.stats.hit_blocks += adm.hits
-        self.stats.bytes_h2d += int(adm.block.numel()) * self._block_bytes
+        self.stats.bytes_h2d += n_adm * self._block_bytes
         # 5. write-through and attention over the working set
         self.ws.write_token(li, rows_d, seq - 1, k_new, v_new)
-        out = q.new_empty((q.shape[0], q.shape[1], self.v_head_dim))
-        seq_c = seq.tolist()
-        resident = []
-        for b, r in enumerate(rows_d.tolist()):
-            kw, vw = attn.gather_working_set(self.ws.k[li][r], self.ws.v[li][r], self.ws.ids[li][r], seq_c[b], bs)
-            out[b] = attn.decode_attention(q[b], kw, vw, scale)
-            resident.append(kw.shape[0])
+        out, _ = ops.sparse_decode_attention(q.view(q.shape[0], 1, q.shape[1], q.shape[2]), self.ws.k[li],
+                                             self.ws.v[li], self.ws.ids[li], rows_d, seq, scale)
         if li == 0:
             rows_c = rows_d.tolist()
             self.stats.new_request_started = bool(self._fresh_rows.intersection(rows_c))
             self._fresh_rows.difference_update(rows_c)
             self.stats.last_rows = rows_c
-            self.stats.last_context_tokens = seq_c
-            self.stats.last_resident_tokens = resident
-        return out
+            self.stats.last_context_tokens = seq.tolist()
+            ids0 = self.ws.ids[li][rows_d, 0]                                    # [B, K], KV head 0
+            held = (seq[:, None] - ids0 * bs).clamp(0, bs) * (ids0 >= 0)
+            self.stats.last_resident_tokens = held.sum(-1).tolist()
+        return out.view(q.shape[0], q.shape[1], self.v_head_dim)
 
     # ---- lifecycle and reporting ----------------------------------------------------------
     def reset_rows(self, rows) -> None:

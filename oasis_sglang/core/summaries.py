@@ -3,8 +3,9 @@
 Quest (Tang et al., 2024, Sec. 3) bounds a block's attention score by these two vectors;
 OasisKV scores them with the (draft) query to pick each KV head's top-K blocks. They are
 ``2 / bs`` of the key cache (1/16 of the KV cache for bs=16) and live on the device.
-A block is summarised only once all ``bs`` of its tokens are written (Methodology, pitfall:
-generation that ends exactly on a block boundary).
+The summaries are folded in token by token as K is written (``core.ops.BaseKVOps.write_kv``):
+a block's summary is exact once its last token is written, and only complete blocks are
+scored (the partial block is always resident as a recent block).
 """
 
 from __future__ import annotations
@@ -40,18 +41,3 @@ class KeySummaries:
     def nbytes(self) -> int:
         """Device bytes of all min and max summaries."""
         return sum(t.numel() * t.element_size() for t in self.kmin + self.kmax)
-
-    def update(self, layer: int, pages: torch.Tensor, keys: torch.Tensor) -> None:
-        """Summarise complete blocks.
-
-        Args:
-            pages: ``[M]`` int64 page ids.
-            keys: ``[H, M, bs, D]`` the complete blocks' keys (host-tier layout, any device).
-        """
-        if pages.numel() == 0:
-            return
-        kmin, kmax = block_minmax(keys)  # [H, M, D]
-        dev = self.kmin[layer].device
-        pages = pages.to(dev)
-        self.kmin[layer][pages] = kmin.transpose(0, 1).to(dev, self.kmin[layer].dtype)
-        self.kmax[layer][pages] = kmax.transpose(0, 1).to(dev, self.kmax[layer].dtype)

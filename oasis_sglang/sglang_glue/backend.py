@@ -48,28 +48,30 @@ class OasisAttnBackend(AttentionBackend):
         """Delegate to the wrapped backend."""
         return self.inner.support_triton()
 
-    def _write(self, layer, forward_batch, k, v, save_kv_cache):
+    def _write(self, layer, forward_batch, k, v, save_kv_cache, decode: bool):
         if k is None or v is None:
             raise RuntimeError("OasisKV: layers without their own K/V (KV sharing) are not supported")
         if save_kv_cache:
-            self.pool.set_kv_buffer(layer, forward_batch.out_cache_loc, k, v)
+            self.engine.write_kv(layer.layer_id, forward_batch.out_cache_loc, k, v, one_token_each=decode)
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         """Prefill: ``q [T, Hq*D]``, ``k/v [T, H*D]`` -> ``[T, Hq*Dv]``; sparse layers via OasisKV, others via the wrapped backend."""
         if not self.engine.is_sparse(layer.layer_id):
             return self.inner.forward_extend(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
-        self._write(layer, forward_batch, k, v, save_kv_cache)
+        self._write(layer, forward_batch, k, v, save_kv_cache, decode=False)
         q_ = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)
+        H = layer.tp_k_head_num
         o = self.engine.extend_attention(
             layer.layer_id, q_, forward_batch.req_pool_indices, forward_batch.extend_prefix_lens,
-            forward_batch.extend_seq_lens, self.req_to_token_pool.req_to_token, layer.scaling)
+            forward_batch.extend_seq_lens, self.req_to_token_pool.req_to_token, layer.scaling,
+            k.view(-1, H, layer.qk_head_dim), v.view(-1, H, layer.v_head_dim))
         return o.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         """Decode: ``q [B, Hq*D]``, ``k/v [B, H*D]`` -> ``[B, Hq*Dv]``; sparse layers over the working set, others via the wrapped backend."""
         if not self.engine.is_sparse(layer.layer_id):
             return self.inner.forward_decode(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
-        self._write(layer, forward_batch, k, v, save_kv_cache)
+        self._write(layer, forward_batch, k, v, save_kv_cache, decode=True)
         H = layer.tp_k_head_num
         o = self.engine.decode_attention(
             layer.layer_id, q.view(-1, layer.tp_q_head_num, layer.qk_head_dim), k.view(-1, H, layer.qk_head_dim),
@@ -123,7 +125,10 @@ def init_attention_backends_hook(result, model_runner, *args, **kwargs):
                 head_num=pool.head_num, head_dim=pool.head_dim, v_head_dim=pool.v_head_dim)
     check_memory(cfg, OasisSparseKV.memory_plan(cfg, **dims, dtype_bytes=torch.empty((), dtype=pool.dtype).element_size()),
                  model_runner.device)
-    engine = OasisSparseKV(cfg, **dims, dtype=pool.dtype, device=model_runner.device)
+    from oasis_sglang.kernels import get_kv_ops
+
+    ops = get_kv_ops(cfg.kernel_backend(torch.device(model_runner.device).type))
+    engine = OasisSparseKV(cfg, **dims, dtype=pool.dtype, device=model_runner.device, ops=ops)
     pool.oasis = engine
     rtp._oasis = engine
     interval = getattr(sa, "decode_log_interval", 40) or 40
@@ -143,10 +148,10 @@ def init_attention_backends_hook(result, model_runner, *args, **kwargs):
     if group:
         model_runner.decode_attn_backend_group = [wrap(b) for b in group]
     logger.info(
-        "OasisKV: %d sparse / %d dense layers, budget %d tokens per request, layer and KV head "
+        "OasisKV: %s kernels, %d sparse / %d dense layers, budget %d tokens per request, layer and KV head "
         "(%d blocks of %d), request rows %d; device working set %.1f MiB, summaries %.1f MiB, "
         "host tier %.1f MiB (%d tokens)",
-        len(engine.sparse_layers), len(cfg.dense_layers), cfg.budget_tokens, cfg.budget_blocks,
+        ops.name, len(engine.sparse_layers), len(cfg.dense_layers), cfg.budget_tokens, cfg.budget_blocks,
         cfg.block_size, engine.ws.R, engine.ws.nbytes / 2**20, engine.summaries.nbytes / 2**20,
         engine.host.nbytes / 2**20, engine.host.capacity_tokens)
     return result

@@ -46,6 +46,7 @@ def handle_kv_sparse_args(args) -> OasisConfig:
         raise OasisConfigError(f"--kv-sparse: unknown mode {args.kv_sparse!r} (choices: none, oasis)")
     cfg = OasisConfig.from_json(args.kv_sparse_config)
     cpu = _is_cpu(args)
+    cfg.kernel_backend("cpu" if cpu else "cuda")        # 'kernels' vs the device, before loading
     if cpu:
         _check_cpu_ops()
     from .hooks import check_plugin_ready
@@ -99,7 +100,7 @@ def handle_kv_sparse_args(args) -> OasisConfig:
         logger.info("OasisKV: disabling the overlap scheduler (working sets are freed with requests)")
         args.disable_overlap_schedule = True
     if not args.disable_cuda_graph:
-        logger.info("OasisKV: disabling CUDA graphs (the reference selection path syncs with the host)")
+        logger.info("OasisKV: disabling CUDA graphs (the selection step still syncs with the host)")
         args.disable_cuda_graph = True
     args.kv_sparse_config = cfg.to_json()
     logger.info("OasisKV enabled: %s", args.kv_sparse_config)

@@ -1,0 +1,57 @@
+"""Launch helpers shared by the OasisKV Triton kernels."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+
+
+def interpreting() -> bool:
+    """True under ``TRITON_INTERPRET=1`` (kernels run on CPU tensors, used by the CPU tests)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+class MappedHost:
+    """A pinned host tensor handed to a Triton kernel as a device pointer (zero-copy).
+
+    With unified virtual addressing, page-locked memory from ``cudaHostAlloc`` (what
+    ``pin_memory=True`` uses) is mapped into the GPU's address space at the same address, so a
+    kernel can load and store it directly over PCIe. Triton's launcher accepts any object with
+    ``data_ptr()`` and ``dtype``; it checks the pointer with ``cuPointerGetAttribute``, which
+    succeeds for mapped pinned memory and fails (clear error) for pageable memory.
+    """
+
+    __slots__ = ("t", "dtype")
+
+    def __init__(self, t: torch.Tensor):
+        self.t, self.dtype = t, t.dtype
+
+    def data_ptr(self) -> int:
+        return self.t.data_ptr()
+
+
+def kernel_arg(t: torch.Tensor, device: torch.device):
+    """``t`` as a kernel argument for a launch on ``device``.
+
+    Raises:
+        ValueError: ``t`` is host memory that is not pinned while the launch is on CUDA.
+    """
+    if device.type == "cuda" and t.device.type == "cpu" and not interpreting():
+        if not t.is_pinned():
+            raise ValueError("OasisKV kernels: host tensors must be pinned (pin_memory=True) for zero-copy access")
+        return MappedHost(t)
+    return t
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of two >= n (Triton block sizes)."""
+    return triton.next_power_of_2(max(1, int(n)))
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (4 under the interpreter / on CPU)."""
+    if device.type == "cuda" and not interpreting():
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4

@@ -1,0 +1,63 @@
+"""Kernel 4: copy (KV head, block) pieces between the host tier and the working set.
+
+H2D gather (admissions) and D2H write-back in one launch per layer for K and V: program ``i``
+copies piece ``src[src_idx[i]]`` to ``dst[dst_idx[i]]`` (``bs * D`` contiguous elements,
+4 KiB for bs=16, D=128, bf16). On CUDA the host side is mapped pinned memory read or written by
+the kernel itself (zero-copy), so thousands of 4 KiB pieces move at link speed in one launch
+instead of one ``cudaMemcpyAsync`` each. Bytes: ``M * bs * (D + Dv) * e`` each way.
+Reference: ``oasis_sglang.core.ops.TorchKVOps.copy_blocks``.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from oasis_sglang.core.ops import TorchKVOps
+
+from ._common import kernel_arg, next_pow2
+
+reference = TorchKVOps().copy_blocks
+
+
+@triton.jit
+def _copy_blocks_kernel(DstK, DstV, SrcK, SrcV, DstIdx, SrcIdx, PK: tl.constexpr, PV: tl.constexpr,
+                        BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+    i = tl.program_id(0)
+    di = tl.load(DstIdx + i).to(tl.int64)
+    si = tl.load(SrcIdx + i).to(tl.int64)
+    for o in tl.static_range(0, PK, BLOCK_K):
+        offs = o + tl.arange(0, BLOCK_K)
+        m = offs < PK
+        x = tl.load(SrcK + si * PK + offs, mask=m)
+        tl.store(DstK + di * PK + offs, x.to(DstK.dtype.element_ty), mask=m)
+    for o in tl.static_range(0, PV, BLOCK_V):
+        offs = o + tl.arange(0, BLOCK_V)
+        m = offs < PV
+        x = tl.load(SrcV + si * PV + offs, mask=m)
+        tl.store(DstV + di * PV + offs, x.to(DstV.dtype.element_ty), mask=m)
+
+
+def copy_blocks(dst_k, dst_v, dst_idx, src_k, src_v, src_idx) -> None:
+    """Triton version of :meth:`TorchKVOps.copy_blocks` (same arguments; see there).
+
+    The launch runs on the device of whichever side is on CUDA (the index tensors' device).
+    Raises:
+        AssertionError: pieces differ in size, views are not contiguous, or index shapes differ.
+    """
+    M = dst_idx.numel()
+    assert src_idx.numel() == M and dst_idx.dim() == src_idx.dim() == 1
+    assert dst_k.dim() == src_k.dim() == 2 and dst_k.shape[1] == src_k.shape[1], (dst_k.shape, src_k.shape)
+    assert dst_v.dim() == src_v.dim() == 2 and dst_v.shape[1] == src_v.shape[1], (dst_v.shape, src_v.shape)
+    assert dst_k.shape[0] == dst_v.shape[0] and src_k.shape[0] == src_v.shape[0]
+    for t in (dst_k, dst_v, src_k, src_v):
+        assert t.is_contiguous(), "piece views must be contiguous"
+    if M == 0:
+        return
+    dev = dst_idx.device
+    assert src_idx.device == dev
+    PK, PV = dst_k.shape[1], dst_v.shape[1]
+    _copy_blocks_kernel[(M,)](
+        kernel_arg(dst_k, dev), kernel_arg(dst_v, dev), kernel_arg(src_k, dev), kernel_arg(src_v, dev),
+        dst_idx, src_idx, PK=PK, PV=PV, BLOCK_K=min(2048, next_pow2(PK)), BLOCK_V=min(2048, next_pow2(PV)),
+        num_warps=4)

@@ -1,0 +1,187 @@
+"""Kernel 3: decode attention over head-wise working sets (split-K, GQA-grouped, with LSE).
+
+Math: for request ``b``, query row ``i`` (0 normal, 1 draft), query head ``g`` of KV head ``h``::
+
+    o = softmax(scale * q K^T) V,   lse = log sum exp(scale * q K^T)
+
+over the tokens of ``h``'s resident slots (``ids[r, h, e] >= 0``, position
+``ids * bs + t < seq_len``), plus, for the draft row, the draft token's own K/V.
+Stage 1: one program per (request, KV head, split of the ``K`` slots) loads each KV tile once
+for all ``NQ * G`` query rows of the group (one ``tl.dot``), keeps an online softmax, and writes
+a partial output and LSE. Stage 2: one program per (request, row, query head) merges the splits
+(and the draft token) by their LSE. The slots of one (request, KV head) are contiguous
+(``[K * bs, D]``), so tiles are coalesced; free slots are masked and never read.
+Bytes: the resident tokens' K and V (``<= B * H * K * bs * (D + Dv) * e``). FLOPs:
+``4 * B * NQ * Hq * n * D`` for ``n`` resident tokens.
+Reference: ``oasis_sglang.core.ops.TorchKVOps.sparse_decode_attention``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from oasis_sglang.core.ops import TorchKVOps
+
+from ._common import interpreting, next_pow2, num_sms
+
+reference = TorchKVOps().sparse_decode_attention
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _stage1(Q, WsK, WsV, Ids, Rows, SeqLens, MidO, MidL,
+            stride_qb, stride_qi, stride_qh, stride_mo_b, stride_mo_i, stride_mo_h, stride_mo_s,
+            stride_ml_b, stride_ml_i, stride_ml_h,
+            H, KS, SPLIT_E, qk_scale,
+            NQ: tl.constexpr, G: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+            BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+            UPCAST: tl.constexpr):
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    b = pid // H
+    h = pid % H
+    row = tl.load(Rows + b).to(tl.int64)
+    seq = tl.load(SeqLens + b).to(tl.int64)
+    m_offs = tl.arange(0, BLOCK_M)
+    qi = m_offs // G
+    hq = h * G + m_offs % G
+    mm = m_offs < NQ * G
+    d = tl.arange(0, BLOCK_D)
+    dv = tl.arange(0, BLOCK_DV)
+    q = tl.load(Q + b.to(tl.int64) * stride_qb + qi[:, None] * stride_qi + hq[:, None] * stride_qh + d[None, :],
+                mask=mm[:, None] & (d < D)[None, :], other=0.0)
+    if UPCAST:      # the Triton 3.6 interpreter computes bf16 tl.dot wrongly: dot in fp32 there
+        q = q.to(tl.float32)
+    rh = row * H + h
+    base = rh * KS * BS
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_DV), tl.float32)
+    e_lo = split * SPLIT_E
+    e_hi = tl.minimum(e_lo + SPLIT_E, KS)
+    for e0 in range(e_lo, e_hi, BLOCK_E):
+        n = e0 * BS + tl.arange(0, BLOCK_E * BS)
+        e = n // BS
+        em = e < e_hi
+        blk = tl.load(Ids + rh * KS + e, mask=em, other=-1)
+        valid = em & (blk >= 0) & (blk * BS + n % BS < seq)
+        k = tl.load(WsK + (base + n)[:, None] * D + d[None, :], mask=valid[:, None] & (d < D)[None, :], other=0.0)
+        s = tl.dot(q, tl.trans(k).to(q.dtype)) * qk_scale
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(WsV + (base + n)[:, None] * DV + dv[None, :], mask=valid[:, None] & (dv < DV)[None, :], other=0.0)
+        if UPCAST:
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    has = l_i > 0
+    o = acc / tl.where(has, l_i, 1.0)[:, None]
+    lse2 = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))   # log2 domain
+    mo = MidO + b.to(tl.int64) * stride_mo_b + qi[:, None] * stride_mo_i + hq[:, None] * stride_mo_h + split * stride_mo_s + dv[None, :]
+    tl.store(mo, o, mask=mm[:, None] & (dv < DV)[None, :])
+    tl.store(MidL + b.to(tl.int64) * stride_ml_b + qi * stride_ml_i + hq * stride_ml_h + split, lse2, mask=mm)
+
+
+@triton.jit
+def _stage2(Q, KExtra, VExtra, MidO, MidL, O, Lse,
+            stride_qb, stride_qi, stride_qh, stride_xb, stride_xh, stride_vxb, stride_vxh,
+            stride_mo_b, stride_mo_i, stride_mo_h, stride_mo_s, stride_ml_b, stride_ml_i, stride_ml_h,
+            stride_ob, stride_oi, stride_oh, Hq, NQ, NSPLIT, qk_scale,
+            G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, HAS_EXTRA: tl.constexpr,
+            BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+    pid = tl.program_id(0)
+    b = (pid // (NQ * Hq)).to(tl.int64)
+    i = (pid // Hq) % NQ
+    hq = pid % Hq
+    s = tl.arange(0, BLOCK_S)
+    sm = s < NSPLIT
+    dv = tl.arange(0, BLOCK_DV)
+    dvm = dv < DV
+    lse = tl.load(MidL + b * stride_ml_b + i * stride_ml_i + hq * stride_ml_h + s, mask=sm, other=float("-inf"))
+    o = tl.load(MidO + b * stride_mo_b + i * stride_mo_i + hq * stride_mo_h + s[:, None] * stride_mo_s + dv[None, :],
+                mask=sm[:, None] & dvm[None, :], other=0.0)
+    mx = tl.max(lse, 0)
+    if HAS_EXTRA:
+        d = tl.arange(0, BLOCK_D)
+        dm = d < D
+        use = i == 1
+        q = tl.load(Q + b * stride_qb + i * stride_qi + hq * stride_qh + d, mask=dm, other=0.0).to(tl.float32)
+        kx = tl.load(KExtra + b * stride_xb + (hq // G) * stride_xh + d, mask=dm, other=0.0).to(tl.float32)
+        sx = tl.sum(q * kx, 0) * qk_scale
+        sx = tl.where(use, sx, float("-inf"))
+        mx = tl.maximum(mx, sx)
+    w = tl.exp2(lse - mx)
+    num = tl.sum(w[:, None] * o, 0)
+    den = tl.sum(w, 0)
+    if HAS_EXTRA:
+        wx = tl.exp2(sx - mx)
+        vx = tl.load(VExtra + b * stride_vxb + (hq // G) * stride_vxh + dv, mask=dvm, other=0.0).to(tl.float32)
+        num += wx * vx
+        den += wx
+    tl.store(O + b * stride_ob + i * stride_oi + hq * stride_oh + dv, (num / den).to(O.dtype.element_ty), mask=dvm)
+    tl.store(Lse + (b * NQ + i) * Hq + hq, (mx + tl.log2(den)) / 1.4426950408889634)
+
+
+def choose_splits(B: int, H: int, KS: int, block_e: int, device: torch.device) -> int:
+    """Splits of the ``KS`` slots so that about 4 programs per SM run (small batches still fill the GPU)."""
+    tiles = triton.cdiv(KS, block_e)
+    return max(1, min(tiles, triton.cdiv(4 * num_sms(device), max(1, B * H))))
+
+
+def sparse_decode_attention(q, ws_k, ws_v, ids, rows, seq_lens, scale: float | None, k_extra=None,
+                            v_extra=None, return_lse: bool = False, num_splits: int | None = None,
+                            block_n: int = 64):
+    """Triton version of :meth:`TorchKVOps.sparse_decode_attention` (same arguments and result).
+
+    ``num_splits``: splits of the working set (default: ``choose_splits``); ``block_n``: tokens
+    per tile (a multiple of ``bs``).
+    Raises:
+        AssertionError: shapes, strides or dtypes do not match.
+    """
+    B, NQ, Hq, D = q.shape
+    R, H, KS, bs, Dk = ws_k.shape
+    Dv = ws_v.shape[-1]
+    assert Dk == D and ws_v.shape[:4] == (R, H, KS, bs) and ids.shape == (R, H, KS), (ws_k.shape, ws_v.shape, ids.shape)
+    assert NQ in (1, 2) and Hq % H == 0 and q.stride(3) == 1
+    assert ws_k.is_contiguous() and ws_v.is_contiguous() and ids.is_contiguous() and ws_k.dtype == ws_v.dtype
+    assert rows.shape == seq_lens.shape == (B,) and rows.device == seq_lens.device == ws_k.device == q.device
+    has_extra = k_extra is not None
+    if has_extra:
+        assert NQ == 2 and k_extra.shape == (B, H, D) and v_extra.shape == (B, H, Dv)
+        assert k_extra.stride(2) == 1 and v_extra.stride(2) == 1
+    G = Hq // H
+    o = torch.empty((B, NQ, Hq, Dv), dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, NQ, Hq), dtype=torch.float32, device=q.device)
+    if B == 0:
+        return o, (lse if return_lse else None)
+    block_e = max(1, block_n // bs)
+    nsplit = num_splits or choose_splits(B, H, KS, block_e, q.device)
+    split_e = triton.cdiv(triton.cdiv(KS, nsplit), block_e) * block_e
+    nsplit = triton.cdiv(KS, split_e)
+    mid_o = torch.empty((B, NQ, Hq, nsplit, Dv), dtype=torch.float32, device=q.device)
+    mid_l = torch.empty((B, NQ, Hq, nsplit), dtype=torch.float32, device=q.device)
+    sc = (scale if scale is not None else 1.0 / math.sqrt(D)) * LOG2E
+    BLOCK_M = max(16, next_pow2(NQ * G))
+    _stage1[(B * H, nsplit)](
+        q, ws_k, ws_v, ids, rows, seq_lens, mid_o, mid_l,
+        q.stride(0), q.stride(1), q.stride(2), *mid_o.stride()[:4], *mid_l.stride()[:3],
+        H, KS, split_e, sc, NQ=NQ, G=G, BS=bs, D=D, DV=Dv, BLOCK_M=BLOCK_M, BLOCK_E=block_e,
+        BLOCK_D=next_pow2(D), BLOCK_DV=next_pow2(Dv), UPCAST=interpreting(), num_warps=4, num_stages=2)
+    kx = k_extra if has_extra else q
+    vx = v_extra if has_extra else q
+    _stage2[(B * NQ * Hq,)](
+        q, kx, vx, mid_o, mid_l, o, lse,
+        q.stride(0), q.stride(1), q.stride(2), kx.stride(0), kx.stride(1), vx.stride(0), vx.stride(1),
+        *mid_o.stride()[:4], *mid_l.stride()[:3], o.stride(0), o.stride(1), o.stride(2),
+        Hq, NQ, nsplit, sc, G=G, D=D, DV=Dv, HAS_EXTRA=has_extra,
+        BLOCK_S=next_pow2(nsplit), BLOCK_D=next_pow2(D), BLOCK_DV=next_pow2(Dv), num_warps=4)
+    return o, (lse if return_lse else None)

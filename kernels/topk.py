@@ -1,0 +1,123 @@
+"""Kernel 2: Quest block scoring (GQA max) fused with the selection key, then top-K.
+
+Math (Quest Sec. 3; paper: Methodology, Look-ahead Attention): for query row ``b``, KV head
+``h`` with query heads ``g`` of its group and block ``j`` (page ``p`` from SGLang's
+``req_to_token``)::
+
+    u[b, h, j] = max_g sum_d max(q[b, g, d] * kmin[p, h, d], q[b, g, d] * kmax[p, h, d])
+
+Sink blocks (``j < sink``) and recent blocks (``j >= nblocks - recent``) score ``+inf``; other
+complete blocks their bound; the partial block and blocks past the context ``-inf``.
+The kernel writes one int64 key per block: the score's order-preserving 32-bit image in the
+high half and ``2**32 - 1 - j`` in the low half, so all keys are distinct, a larger key means a
+higher score or, on a tie, a lower block id, and ``torch.topk`` on the keys returns exactly the
+reference's stable order. One program per (query row, KV head, tile of blocks); only candidate
+blocks' summaries are read: ``2 * H * D * e`` bytes per complete block (``2 / bs`` of its KV).
+Reference: ``oasis_sglang.core.ops.TorchKVOps.select_topk``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from oasis_sglang.core.ops import TorchKVOps
+
+from ._common import next_pow2
+
+reference = TorchKVOps().select_topk
+
+POS_INF_KEY32 = 0x7F800000                      # image of +inf
+NEG_INF_KEY32 = -0x00800000 ^ 0x7FFFFFFF          # image of -inf (bits 0xFF800000 as int32, flipped)
+
+
+@triton.jit
+def _score_kernel(Q, Kmin, Kmax, ReqToToken, Rows, SeqLens, Keys,
+                  stride_qb, stride_qh, stride_sp, stride_rt, stride_kb, stride_kh,
+                  H, NB, sink, recent,
+                  G: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
+                  BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    pid = tl.program_id(0)
+    b = pid // H
+    h = pid % H
+    j = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row = tl.load(Rows + b).to(tl.int64)
+    seq = tl.load(SeqLens + b).to(tl.int64)
+    nblk = (seq + BS - 1) // BS
+    ncomp = seq // BS
+    inctx = j < nblk
+    forced = inctx & ((j < sink) | (j >= nblk - recent))
+    cand = (j < ncomp) & (~forced)
+    tok = tl.load(ReqToToken + row * stride_rt + j.to(tl.int64) * BS, mask=cand, other=0)
+    page = (tok // BS).to(tl.int64)
+    g = tl.arange(0, BLOCK_G)
+    gm = g < G
+    acc = tl.zeros((BLOCK_G, BLOCK_N), dtype=tl.float32)
+    for d0 in tl.static_range(0, D, BLOCK_D):
+        dd = d0 + tl.arange(0, BLOCK_D)
+        dm = dd < D
+        qv = tl.load(Q + b.to(tl.int64) * stride_qb + (h * G + g)[:, None] * stride_qh + dd[None, :],
+                     mask=gm[:, None] & dm[None, :], other=0.0).to(tl.float32)
+        srow = page[:, None] * stride_sp + h * D + dd[None, :]
+        sm = cand[:, None] & dm[None, :]
+        lo = tl.load(Kmin + srow, mask=sm, other=0.0).to(tl.float32)
+        hi = tl.load(Kmax + srow, mask=sm, other=0.0).to(tl.float32)
+        prod = tl.maximum(qv[:, None, :] * lo[None, :, :], qv[:, None, :] * hi[None, :, :])
+        acc += tl.sum(prod, axis=2)
+    score = tl.max(tl.where(gm[:, None], acc, float("-inf")), axis=0) + 0.0    # -0.0 -> +0.0
+    score = tl.where(score != score, -3.0e38, score)                             # NaN -> lowest finite
+    score = tl.where(forced, float("inf"), tl.where(cand, score, float("-inf")))
+    k32 = score.to(tl.int32, bitcast=True)
+    k32 = tl.where(k32 < 0, k32 ^ 0x7FFFFFFF, k32)
+    key = k32.to(tl.int64) * 4294967296 + (4294967295 - j.to(tl.int64))
+    tl.store(Keys + b.to(tl.int64) * stride_kb + h * stride_kh + j, key, mask=j < NB)
+
+
+def block_keys(q, kmin, kmax, req_to_token, rows, seq_lens, block_size: int, sink_blocks: int,
+               recent_blocks: int, nb_max: int, block_n: int = 64) -> torch.Tensor:
+    """Selection keys ``[B, H, nb_max]`` int64 (see module docstring). Arguments as ``select_topk``.
+
+    Raises:
+        AssertionError: shapes, strides or dtypes do not match.
+    """
+    B, Hq, D = q.shape
+    P, H, Ds = kmin.shape
+    assert Ds == D and Hq % H == 0 and kmax.shape == kmin.shape, (q.shape, kmin.shape)
+    assert q.stride(2) == 1 and kmin.is_contiguous() and kmax.is_contiguous() and req_to_token.stride(1) == 1
+    assert rows.shape == seq_lens.shape == (B,) and rows.device == seq_lens.device == q.device == kmin.device
+    assert req_to_token.device == q.device
+    G = Hq // H
+    keys = torch.empty((B, H, nb_max), dtype=torch.int64, device=q.device)
+    if B == 0 or nb_max == 0:
+        return keys
+    BLOCK_G = next_pow2(G)
+    BLOCK_D = min(next_pow2(D), max(16, 4096 // (BLOCK_G * block_n)))
+    grid = (B * H, triton.cdiv(nb_max, block_n))
+    _score_kernel[grid](q, kmin, kmax, req_to_token, rows, seq_lens, keys,
+                        q.stride(0), q.stride(1), kmin.stride(0), req_to_token.stride(0),
+                        keys.stride(0), keys.stride(1), H, nb_max, sink_blocks, recent_blocks,
+                        G=G, BS=block_size, D=D, BLOCK_G=BLOCK_G, BLOCK_N=block_n, BLOCK_D=BLOCK_D,
+                        num_warps=4)
+    return keys
+
+
+def topk_from_keys(keys: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(wanted [B, H, k] int64, forced [B, H, k] bool)`` from ``block_keys`` (``-1`` padding)."""
+    B, H, NB = keys.shape
+    kk = min(k, NB)
+    vals, idx = torch.topk(keys, kk, dim=-1, largest=True, sorted=True)
+    hi = vals >> 32
+    wanted = torch.where(hi > NEG_INF_KEY32, idx, torch.full_like(idx, -1))
+    forced = hi == POS_INF_KEY32
+    if kk < k:
+        wanted = torch.cat([wanted, wanted.new_full((B, H, k - kk), -1)], -1)
+        forced = torch.cat([forced, forced.new_zeros((B, H, k - kk))], -1)
+    return wanted, forced
+
+
+def select_topk(q, kmin, kmax, req_to_token, rows, seq_lens, block_size: int, sink_blocks: int,
+                recent_blocks: int, nb_max: int, k: int):
+    """Triton version of :meth:`TorchKVOps.select_topk` (same arguments and result)."""
+    keys = block_keys(q, kmin, kmax, req_to_token, rows, seq_lens, block_size, sink_blocks, recent_blocks, nb_max)
+    return topk_from_keys(keys, k)

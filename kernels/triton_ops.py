@@ -1,0 +1,35 @@
+"""``TritonKVOps``: the ``core.ops.BaseKVOps`` interface served by the Triton kernels."""
+
+from __future__ import annotations
+
+from oasis_sglang.core.ops import BaseKVOps
+
+from .copy_blocks import copy_blocks
+from .sparse_decode import sparse_decode_attention
+from .topk import select_topk
+from .write_kv import write_kv
+
+
+class TritonKVOps(BaseKVOps):
+    """Triton kernels for the four OasisKV operations (CUDA; CPU under ``TRITON_INTERPRET=1``)."""
+
+    name = "triton"
+
+    def write_kv(self, host_k, host_v, kmin, kmax, loc, k, v, block_size, one_token_each=False):
+        """See :meth:`BaseKVOps.write_kv`; ``one_token_each`` skips segmenting (decode)."""
+        write_kv(host_k, host_v, kmin, kmax, loc, k, v, block_size, one_token_each)
+
+    def select_topk(self, q, kmin, kmax, req_to_token, rows, seq_lens, block_size, sink_blocks,
+                    recent_blocks, nb_max, k):
+        """See :meth:`BaseKVOps.select_topk`."""
+        return select_topk(q, kmin, kmax, req_to_token, rows, seq_lens, block_size, sink_blocks,
+                           recent_blocks, nb_max, k)
+
+    def copy_blocks(self, dst_k, dst_v, dst_idx, src_k, src_v, src_idx):
+        """See :meth:`BaseKVOps.copy_blocks`."""
+        copy_blocks(dst_k, dst_v, dst_idx, src_k, src_v, src_idx)
+
+    def sparse_decode_attention(self, q, ws_k, ws_v, ids, rows, seq_lens, scale, k_extra=None,
+                                v_extra=None, return_lse=False):
+        """See :meth:`BaseKVOps.sparse_decode_attention`."""
+        return sparse_decode_attention(q, ws_k, ws_v, ids, rows, seq_lens, scale, k_extra, v_extra, return_lse)

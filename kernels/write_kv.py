@@ -1,0 +1,108 @@
+"""Kernel 1: write new K/V into the host tier and fold them into the block key summaries.
+
+Math (Quest Sec. 3; paper: Methodology, compressed keys): for block ``p`` and KV head ``h``,
+``kmin[p, h, d] = min_t k[t, h, d]`` and ``kmax[p, h, d] = max_t k[t, h, d]`` over the block's
+tokens. Tokens arrive as segments (consecutive tokens of one block); a segment starting at
+block offset 0 starts the summary, any other is folded into the current one. Min and max are
+exact in every dtype, so the result equals the reference bit for bit.
+
+One program per (segment, KV head): reads the segment's ``<= bs`` tokens once from the device
+and writes them to the host tier (zero-copy stores into mapped pinned memory on CUDA: one
+``len * D`` contiguous piece per head), then updates the summary row on the device.
+Bytes: ``N * H * (D + Dv) * e`` read and written to the host, ``2 * segments * H * D * e``
+summaries written (``e`` element bytes).
+Reference: ``oasis_sglang.core.ops.TorchKVOps.write_kv``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from oasis_sglang.core.ops import TorchKVOps
+
+from ._common import kernel_arg, next_pow2
+
+reference = TorchKVOps().write_kv
+
+
+@triton.jit
+def _write_kv_kernel(HostK, HostV, Kmin, Kmax, K, V, SegPage, SegOff, SegSrc, SegLen,
+                     stride_hk_h, stride_hv_h, stride_s_p, stride_k_n, stride_k_h, stride_v_n, stride_v_h,
+                     P, BS: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+                     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+    seg = tl.program_id(0)
+    h = tl.program_id(1).to(tl.int64)
+    page = tl.load(SegPage + seg).to(tl.int64)
+    off0 = tl.load(SegOff + seg).to(tl.int64)
+    src = tl.load(SegSrc + seg).to(tl.int64)
+    n = tl.load(SegLen + seg)
+    t = tl.arange(0, BLOCK_T)
+    tm = t < n
+    d = tl.arange(0, BLOCK_D)
+    dm = d < D
+    m = tm[:, None] & dm[None, :]
+    k = tl.load(K + (src + t)[:, None] * stride_k_n + h * stride_k_h + d[None, :], mask=m, other=0.0)
+    host_tok = h * stride_hk_h + (page * BS + off0 + t)[:, None] * D
+    tl.store(HostK + host_tok + d[None, :], k.to(HostK.dtype.element_ty), mask=m)
+    dv = tl.arange(0, BLOCK_DV)
+    mv = tm[:, None] & (dv < DV)[None, :]
+    v = tl.load(V + (src + t)[:, None] * stride_v_n + h * stride_v_h + dv[None, :], mask=mv, other=0.0)
+    tl.store(HostV + h * stride_hv_h + (page * BS + off0 + t)[:, None] * DV + dv[None, :],
+             v.to(HostV.dtype.element_ty), mask=mv)
+    kc = k.to(Kmin.dtype.element_ty).to(tl.float32)
+    lo = tl.min(tl.where(m, kc, float("inf")), axis=0)
+    hi = tl.max(tl.where(m, kc, float("-inf")), axis=0)
+    srow = page * stride_s_p + h * D + d
+    cont = dm & (off0 > 0)          # continuing a block: fold into its current summary
+    lo = tl.minimum(lo, tl.load(Kmin + srow, mask=cont, other=float("inf")).to(tl.float32))
+    hi = tl.maximum(hi, tl.load(Kmax + srow, mask=cont, other=float("-inf")).to(tl.float32))
+    tl.store(Kmin + srow, lo.to(Kmin.dtype.element_ty), mask=dm)
+    tl.store(Kmax + srow, hi.to(Kmax.dtype.element_ty), mask=dm)
+
+
+def segments(loc: torch.Tensor, block_size: int, one_token_each: bool = False):
+    """Split token locations into runs of consecutive tokens of one block.
+
+    Args:
+        loc: ``[N]`` int token locations in write order.
+        one_token_each: every token is its own segment (decode: one token per request; no sync).
+    Returns:
+        ``(page, offset, src, length)``, each ``[S]`` int64: block, block offset of the first
+        token, index of the first token in ``loc``, tokens in the run (``<= block_size``).
+    """
+    loc = loc.to(torch.int64)
+    if one_token_each:
+        return loc // block_size, loc % block_size, torch.arange(loc.numel(), device=loc.device), torch.ones_like(loc)
+    prev = torch.cat([loc.new_full((1,), -2), loc[:-1]])
+    start = torch.nonzero((loc % block_size == 0) | (loc != prev + 1)).squeeze(1)
+    length = torch.diff(torch.cat([start, start.new_full((1,), loc.numel())]))
+    first = loc[start]
+    return first // block_size, first % block_size, start, length
+
+
+def write_kv(host_k, host_v, kmin, kmax, loc, k, v, block_size: int, one_token_each: bool = False) -> None:
+    """Triton version of :meth:`TorchKVOps.write_kv` (same arguments; see there).
+
+    ``one_token_each=True`` when each token is in its own block (decode batches).
+    Raises:
+        AssertionError: shapes, strides or dtypes do not match the layouts.
+    """
+    H, P, bs, D = host_k.shape
+    Dv = host_v.shape[-1]
+    N = loc.numel()
+    assert bs == block_size and host_v.shape[:3] == (H, P, bs), (host_k.shape, host_v.shape)
+    assert host_k.is_contiguous() and host_v.is_contiguous() and kmin.is_contiguous() and kmax.is_contiguous()
+    assert kmin.shape == kmax.shape == (P, H, D) and kmin.dtype == kmax.dtype
+    assert k.shape == (N, H, D) and v.shape == (N, H, Dv), (k.shape, v.shape, N)
+    assert k.stride(2) == 1 and v.stride(2) == 1
+    if N == 0:
+        return
+    dev = kmin.device
+    page, off, src, length = segments(loc.to(dev), bs, one_token_each)
+    grid = (page.numel(), H)
+    _write_kv_kernel[grid](
+        kernel_arg(host_k, dev), kernel_arg(host_v, dev), kmin, kmax, k, v, page, off, src, length,
+        host_k.stride(0), host_v.stride(0), kmin.stride(0), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        P, BS=bs, D=D, DV=Dv, BLOCK_T=next_pow2(bs), BLOCK_D=next_pow2(D), BLOCK_DV=next_pow2(Dv))

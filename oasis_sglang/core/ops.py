@@ -1,0 +1,161 @@
+"""The four hot operations of OasisKV behind one interface, with their torch references.
+
+``TorchKVOps`` is the reference implementation (any device; the path used on CPU).
+``oasis_sglang.kernels.TritonKVOps`` implements the same methods as Triton kernels (CUDA, or
+the Triton interpreter on CPU) and is tested against this file. The engine
+(``core.engine.OasisSparseKV``) only calls these methods, so the two are interchangeable.
+
+Layouts (one sparse layer; paper: Methodology, tiered KV and head-wise mapping):
+  host tier   ``host_k [H, P, bs, D]``, ``host_v [H, P, bs, Dv]`` (host memory, pinned on CUDA)
+  summaries   ``kmin / kmax [P, H, D]`` (device), block ``p`` = SGLang page ``p``
+  working set ``ws_k [R, H, K, bs, D]``, ``ws_v [R, H, K, bs, Dv]``, ``ids [R, H, K]`` int64
+              (logical block held by slot ``(r, h, e)``, ``-1`` free)
+``P`` pages, ``bs`` tokens per block, ``R`` request rows, ``K`` working-set blocks.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .attention import decode_attention, gather_working_set
+from .selection import quest_scores, select_blocks
+
+
+def block_pages(req_to_token: torch.Tensor, rows: torch.Tensor, nb: int, block_size: int) -> torch.Tensor:
+    """``[B, nb]`` int64 page of each logical block ``j`` (the page of token ``j * bs``).
+
+    Entries past a request's context are whatever ``req_to_token`` holds there (callers mask).
+    """
+    cols = (torch.arange(nb, device=req_to_token.device) * block_size).clamp(max=req_to_token.shape[1] - 1)
+    return torch.div(req_to_token[rows.to(req_to_token.device).long()][:, cols], block_size,
+                     rounding_mode="floor").long()
+
+
+class BaseKVOps:
+    """Interface of the OasisKV operations (see module docstring for layouts)."""
+
+    name = "base"
+
+    def write_kv(self, host_k, host_v, kmin, kmax, loc, k, v, block_size: int, one_token_each: bool = False) -> None:
+        """Write new tokens to the host tier and fold their keys into their blocks' summaries.
+
+        Args:
+            host_k / host_v: ``[H, P, bs, D/Dv]`` host tier of one layer.
+            kmin / kmax: ``[P, H, D]`` summaries of that layer.
+            loc: ``[N]`` int64 token locations (page = ``loc // bs``, offset ``loc % bs``), in
+                position order within each request (SGLang's ``out_cache_loc``).
+            k: ``[N, H, D]``, v: ``[N, H, Dv]`` (cast to the tier dtype).
+        A token at block offset 0 starts its block's summary; any other token is folded into
+        the block's current min/max, so after the block's last token the summary is exactly the
+        block's coordinate-wise min/max (Quest Sec. 3), whatever the prefill/decode split.
+        """
+        raise NotImplementedError
+
+    def select_topk(self, q, kmin, kmax, req_to_token, rows, seq_lens, block_size: int,
+                    sink_blocks: int, recent_blocks: int, nb_max: int, k: int):
+        """Quest scores of every block (GQA max) and the top-``k`` blocks per (query, KV head).
+
+        Args:
+            q: ``[B, Hq, D]`` one query row each (a request's normal and draft rows are two rows,
+                each with its own ``rows`` / ``seq_lens`` entry).
+            kmin / kmax: ``[P, H, D]``. req_to_token: SGLang's ``[R, max_len]`` int32 table.
+            rows: ``[B]`` request rows. seq_lens: ``[B]`` context tokens of each query.
+            nb_max: ``>= max(ceil(seq_lens / bs))`` blocks to consider.
+        Returns:
+            ``(wanted [B, H, k] int64, forced [B, H, k] bool)`` as ``core.selection.select_blocks``:
+            sink and recent blocks first, then complete blocks by descending score, ties to the
+            lower block id, ``-1`` padding.
+        """
+        raise NotImplementedError
+
+    def copy_blocks(self, dst_k, dst_v, dst_idx, src_k, src_v, src_idx) -> None:
+        """``dst[dst_idx[i]] = src[src_idx[i]]`` for K and V pieces (one piece = one (KV head, block)).
+
+        Args:
+            dst_k / src_k: ``[Nd, bs*D]`` / ``[Ns, bs*D]`` views (``dst_v`` / ``src_v`` with ``Dv``);
+                either side may be host memory (H2D gather into the working set, or D2H write-back).
+            dst_idx / src_idx: ``[M]`` int64 piece indices. ``dst_idx`` must be distinct.
+        """
+        raise NotImplementedError
+
+    def sparse_decode_attention(self, q, ws_k, ws_v, ids, rows, seq_lens, scale: float | None,
+                                k_extra=None, v_extra=None, return_lse: bool = False):
+        """Attention of one or two query rows per request over its head-wise working set.
+
+        Args:
+            q: ``[B, NQ, Hq, D]``, ``NQ`` in {1, 2} (normal row, then the draft row).
+            ws_k / ws_v / ids: the working set of one layer (module docstring).
+            rows: ``[B]`` request rows. seq_lens: ``[B]`` tokens in context, including the
+                normal row's own token (already written into its resident block).
+            scale: softmax scale (``None``: ``1/sqrt(D)``).
+            k_extra / v_extra: ``[B, H, D/Dv]`` the draft token's own K/V, seen by row 1 only.
+        Returns:
+            ``(o [B, NQ, Hq, Dv] in q's dtype, lse [B, NQ, Hq] float32 natural-log sum of
+            exp(scaled scores), or None)``.
+        Every resident token ``pos = ids * bs + t < seq_len`` is attended; free slots and
+        positions past the context are not.
+        """
+        raise NotImplementedError
+
+
+class TorchKVOps(BaseKVOps):
+    """Reference implementations (torch; bitwise equal to SGLang's torch_native on full working sets)."""
+
+    name = "torch"
+
+    def write_kv(self, host_k, host_v, kmin, kmax, loc, k, v, block_size, one_token_each=False):
+        H, P, bs, D = host_k.shape
+        assert bs == block_size and k.shape[1:] == (H, D) and v.shape[0] == k.shape[0] == loc.numel()
+        loc_h = loc.to(host_k.device, torch.int64)
+        page, off = loc_h // bs, loc_h % bs
+        host_k[:, page, off] = k.to(host_k.device, host_k.dtype).transpose(0, 1)
+        host_v[:, page, off] = v.to(host_v.device, host_v.dtype).transpose(0, 1)
+        kd = k.to(kmin.device, kmin.dtype)
+        page_d = torch.div(loc.to(kmin.device, torch.int64), bs, rounding_mode="floor")
+        first = (loc.to(kmin.device, torch.int64) % bs) == 0
+        kmin[page_d[first]] = kd[first]
+        kmax[page_d[first]] = kd[first]
+        idx = page_d[:, None, None].expand_as(kd)
+        kmin.scatter_reduce_(0, idx, kd, "amin", include_self=True)
+        kmax.scatter_reduce_(0, idx, kd, "amax", include_self=True)
+
+    def select_topk(self, q, kmin, kmax, req_to_token, rows, seq_lens, block_size, sink_blocks,
+                    recent_blocks, nb_max, k):
+        seq = seq_lens.to(kmin.device, torch.int64)
+        pages = block_pages(req_to_token, rows, nb_max, block_size).to(kmin.device)
+        scores = quest_scores(q, kmin[pages], kmax[pages])
+        return select_blocks(scores, (seq + block_size - 1) // block_size, seq // block_size, k,
+                             sink_blocks, recent_blocks)
+
+    def copy_blocks(self, dst_k, dst_v, dst_idx, src_k, src_v, src_idx):
+        if dst_idx.numel() == 0:
+            return
+        si = src_idx.to(src_k.device, torch.int64)
+        di = dst_idx.to(dst_k.device, torch.int64)
+        dst_k[di] = src_k[si].to(dst_k.device, dst_k.dtype)
+        dst_v[di] = src_v[si].to(dst_v.device, dst_v.dtype)
+
+    def sparse_decode_attention(self, q, ws_k, ws_v, ids, rows, seq_lens, scale, k_extra=None,
+                                v_extra=None, return_lse=False):
+        B, NQ, Hq, D = q.shape
+        bs = ws_k.shape[3]
+        o = q.new_empty((B, NQ, Hq, ws_v.shape[-1]))
+        lse = torch.empty((B, NQ, Hq), dtype=torch.float32, device=q.device) if return_lse else None
+        sc = scale if scale is not None else 1.0 / math.sqrt(D)
+        rows_c, seq_c = rows.tolist(), seq_lens.tolist()
+        for b in range(B):
+            r = rows_c[b]
+            kw, vw = gather_working_set(ws_k[r], ws_v[r], ids[r], int(seq_c[b]), bs)
+            for i in range(NQ):
+                kk, vv = kw, vw
+                if i == 1 and k_extra is not None:
+                    kk = torch.cat([kw, k_extra[b:b + 1].to(kw.dtype)])
+                    vv = torch.cat([vw, v_extra[b:b + 1].to(vw.dtype)])
+                o[b, i] = decode_attention(q[b, i], kk, vv, scale)
+                if return_lse:
+                    G = Hq // kk.shape[1]
+                    s = torch.einsum("hgd,nhd->hgn", q[b, i].float().view(-1, G, D), kk.float()) * sc
+                    lse[b, i] = torch.logsumexp(s, -1).reshape(Hq)
+        return o, lse

@@ -1,0 +1,251 @@
+"""Triton kernels vs their torch references (``core.ops.TorchKVOps``).
+
+On a CPU host the kernels run under the Triton interpreter (``TRITON_INTERPRET=1``, set here
+before the kernels are imported); on a CUDA host the same tests run the compiled kernels on the
+GPU (marker ``gpu``). Exact for copies, summaries and top-K sets; a tolerance table for
+attention. Random inputs are fresh every run (the ``seed`` fixture prints the seed).
+"""
+
+import os
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from oasis_sglang.config import OasisConfig  # noqa: E402
+from oasis_sglang.core import OasisSparseKV  # noqa: E402
+from oasis_sglang.core.ops import TorchKVOps, block_pages  # noqa: E402
+from oasis_sglang.core.selection import quest_scores  # noqa: E402
+from oasis_sglang.kernels import get_kv_ops  # noqa: E402
+from oasis_sglang.kernels.copy_blocks import copy_blocks  # noqa: E402
+from oasis_sglang.kernels.sparse_decode import sparse_decode_attention  # noqa: E402
+from oasis_sglang.kernels.topk import NEG_INF_KEY32, block_keys, select_topk  # noqa: E402
+from oasis_sglang.kernels.write_kv import segments, write_kv  # noqa: E402
+
+DEV = "cuda" if CUDA else "cpu"
+pytestmark = [pytest.mark.gpu] if CUDA else []
+REF = TorchKVOps()
+# attention tolerance: ||out - ref|| / ||ref|| (fp32 dots run as tf32 on the GPU)
+ATTN_RTOL = {torch.float32: 3e-3, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+
+
+def layout(lens, bs, extra_pages=3, max_len=None):
+    """Random distinct pages for requests of ``lens`` tokens: ``req_to_token [R, max_len]`` int32."""
+    need = [-(-n // bs) for n in lens]
+    P = sum(need) + extra_pages
+    perm = torch.randperm(P)
+    max_len = max_len or max(need) * bs + bs
+    rtt = torch.zeros((len(lens), max_len), dtype=torch.int32)
+    at = 0
+    for r, nb in enumerate(need):
+        pages = perm[at:at + nb]
+        at += nb
+        pos = torch.arange(nb * bs)
+        rtt[r, :nb * bs] = (pages[pos // bs] * bs + pos % bs).int()
+    return rtt, P
+
+
+def host_tensor(shape, dtype):
+    t = torch.randn(shape).to(dtype)
+    return t.pin_memory() if CUDA else t
+
+
+# ---- 1. write_kv: host tier + summaries --------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bs", [8, 16])
+def test_write_kv_matches_reference_exactly(seed, dtype, bs):
+    H, D, Dv = 2, 32, 24
+    lens = [int(x) for x in torch.randint(1, 5 * bs, (3,))]
+    rtt, P = layout([n + 4 for n in lens], bs)
+    hk, hv = host_tensor((H, P, bs, D), dtype), host_tensor((H, P, bs, Dv), dtype)     # poisoned
+    kmin, kmax = torch.randn(P, H, D).to(dtype).to(DEV), torch.randn(P, H, D).to(dtype).to(DEV)
+    ref = [t.clone().to("cpu" if t.device.type == "cpu" else t.device) for t in (hk, hv, kmin, kmax)]
+    # chunked prefill: first chunk, second chunk (continues a partial block), then 4 decode steps
+    cut = [int(torch.randint(0, n + 1, ())) for n in lens]
+    steps = [[(r, 0, cut[r]) for r in range(3)], [(r, cut[r], lens[r]) for r in range(3)]]
+    steps += [[(r, lens[r] + i, lens[r] + i + 1) for r in range(3)] for i in range(4)]
+    for si, step in enumerate(steps):
+        loc = torch.cat([rtt[r, a:b] for r, a, b in step]).long().to(DEV)
+        k, v = torch.randn(loc.numel(), H, D).to(dtype).to(DEV), torch.randn(loc.numel(), H, Dv).to(dtype).to(DEV)
+        one = si >= 2
+        write_kv(hk, hv, kmin, kmax, loc, k, v, bs, one_token_each=one)
+        REF.write_kv(*ref, loc, k, v, bs)
+    for got, want in zip((hk, hv, kmin, kmax), ref):
+        assert torch.equal(got.cpu(), want.cpu())
+    # and the summary of every complete block is its exact min/max
+    for r, n in enumerate(lens):
+        for j in range((n + 4) // bs):
+            p = int(rtt[r, j * bs]) // bs
+            assert torch.equal(kmin[p].cpu(), hk[:, p].amin(1).cpu()) and torch.equal(kmax[p].cpu(), hk[:, p].amax(1).cpu())
+
+
+def test_segments_split_runs_at_block_and_request_boundaries():
+    loc = torch.tensor([5, 6, 7, 8, 9, 40, 41, 2, 3])
+    page, off, src, ln = segments(loc, 4)
+    assert page.tolist() == [1, 2, 10, 0] and off.tolist() == [1, 0, 0, 2]
+    assert src.tolist() == [0, 3, 5, 7] and ln.tolist() == [3, 2, 2, 2]
+
+
+# ---- 2. scoring + top-K ----------------------------------------------------------------------------
+def _topk_case(lens, bs, H, G, D, integer, dtype=torch.float32, nb_pad=2):
+    rtt, P = layout(lens, bs)
+    if integer:   # small integers: every product and sum is exact, so scores tie often and exactly
+        q = torch.randint(-3, 4, (len(lens), H * G, D)).to(dtype)
+        a, b = torch.randint(-3, 4, (P, H, D)), torch.randint(-3, 4, (P, H, D))
+        kmin, kmax = torch.minimum(a, b).to(dtype), torch.maximum(a, b).to(dtype)
+    else:
+        q = torch.randn(len(lens), H * G, D).to(dtype)
+        a, b = torch.randn(P, H, D), torch.randn(P, H, D)
+        kmin, kmax = torch.minimum(a, b).to(dtype), torch.maximum(a, b).to(dtype)
+    rows = torch.randperm(len(lens))            # query b uses request row rows[b]
+    seq = torch.tensor(lens)[rows]
+    nb_max = -(-max(lens) // bs) + nb_pad
+    return [t.to(DEV) for t in (q, kmin, kmax, rtt, rows, seq)], nb_max
+
+
+@pytest.mark.parametrize("sink,recent,k", [(1, 2, 6), (0, 1, 3), (2, 3, 40)])
+def test_topk_exact_on_integer_scores(seed, sink, recent, k):
+    bs = 8
+    lens = [int(x) for x in torch.randint(1, 30 * bs, (4,))] + [bs * 7]   # one exact multiple
+    args, nb_max = _topk_case(lens, bs, H=2, G=3, D=16, integer=True)
+    got = select_topk(*args, bs, sink, recent, nb_max, k)
+    want = REF.select_topk(*args, bs, sink, recent, nb_max, k)
+    assert torch.equal(got[0].cpu(), want[0].cpu()) and torch.equal(got[1].cpu(), want[1].cpu())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scores_match_reference_and_topk_is_near_exact(seed, dtype):
+    bs, H, G, D, k = 16, 2, 4, 64, 8
+    lens = [int(x) for x in torch.randint(bs, 50 * bs, (3,))]
+    args, nb_max = _topk_case(lens, bs, H, G, D, integer=False, dtype=dtype)
+    q, kmin, kmax, rtt, rows, seq = args
+    keys = block_keys(q, kmin, kmax, rtt, rows, seq, bs, 0, 1, nb_max)
+    # decode the kernel's scores of complete candidate blocks and compare with quest_scores
+    hi = (keys >> 32).cpu()
+    bits = torch.where(hi < 0, hi ^ 0x7FFFFFFF, hi).to(torch.int32).view(torch.float32)
+    pages = block_pages(rtt, rows, nb_max, bs)
+    want = quest_scores(q.cpu(), kmin.cpu()[pages.cpu()], kmax.cpu()[pages.cpu()])
+    nc = (seq // bs).cpu()
+    j = torch.arange(nb_max)[None, None, :].expand(len(lens), H, nb_max)
+    cand = j < nc[:, None, None] - 1                        # the last complete block may be recent
+    assert torch.allclose(bits[cand], want[cand], rtol=1e-5, atol=1e-4)
+    assert (hi[j >= -(-seq.cpu() // bs)[:, None, None]] == NEG_INF_KEY32).all()   # past the context
+    # top-K: every chosen block scores at least the reference's k-th best (up to rounding)
+    got, _ = select_topk(q, kmin, kmax, rtt, rows, seq, bs, 0, 1, nb_max, k)
+    ref, _ = REF.select_topk(q, kmin, kmax, rtt, rows, seq, bs, 0, 1, nb_max, k)
+    agree = (got.cpu()[..., :, None] == ref.cpu()[..., None, :]).any(-1).float().mean()
+    assert agree > 0.9, agree
+
+
+def test_topk_long_context_128k(seed):
+    """One request of 128K tokens (8,192 blocks of 16) plus a short one in the same launch."""
+    bs = 16
+    lens = [128 * 1024 - 5, 100]
+    args, nb_max = _topk_case(lens, bs, H=1, G=2, D=16, integer=True, nb_pad=0)
+    got = select_topk(*args, bs, 1, 2, nb_max, 64)
+    want = REF.select_topk(*args, bs, 1, 2, nb_max, 64)
+    assert torch.equal(got[0].cpu(), want[0].cpu()) and torch.equal(got[1].cpu(), want[1].cpu())
+
+
+# ---- 3. sparse decode attention -----------------------------------------------------------------
+def _ws_case(B, H, G, KS, bs, D, Dv, dtype, NQ):
+    R = B + 2
+    ws_k = torch.randn(R, H, KS, bs, D).to(dtype)
+    ws_v = torch.randn(R, H, KS, bs, Dv).to(dtype)
+    ids = torch.full((R, H, KS), -1, dtype=torch.int64)
+    rows = torch.randperm(R)[:B]
+    seq = torch.randint(1, 4 * KS * bs, (B,))
+    for b in range(B):
+        nb = -(-int(seq[b]) // bs)
+        n_res = int(torch.randint(1, min(nb, KS) + 1, ()))
+        for h in range(H):     # each KV head holds its own blocks; the current block always
+            others = torch.randperm(nb - 1)[:n_res - 1] if nb > 1 else torch.empty(0, dtype=torch.long)
+            blocks = torch.cat([torch.tensor([nb - 1]), others])
+            slots = torch.randperm(KS)[:n_res]
+            ids[rows[b], h, slots] = blocks
+    q = torch.randn(B, NQ, H * G, D).to(dtype)
+    return [t.to(DEV) for t in (q, ws_k, ws_v, ids, rows, seq)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("NQ", [1, 2])
+def test_sparse_decode_attention_matches_reference(seed, dtype, NQ):
+    B, H, G, KS, bs, D, Dv = 3, 2, 3, 12, 8, 32, 32
+    q, ws_k, ws_v, ids, rows, seq = _ws_case(B, H, G, KS, bs, D, Dv, dtype, NQ)
+    kx = vx = None
+    if NQ == 2:
+        kx, vx = torch.randn(B, H, D).to(dtype).to(DEV), torch.randn(B, H, Dv).to(dtype).to(DEV)
+    for splits in (1, 2, 5):
+        o, lse = sparse_decode_attention(q, ws_k, ws_v, ids, rows, seq, 0.17, kx, vx, return_lse=True,
+                                         num_splits=splits, block_n=16)
+        ro, rl = REF.sparse_decode_attention(q.float(), ws_k.float(), ws_v.float(), ids, rows, seq, 0.17,
+                                             None if kx is None else kx.float(),
+                                             None if vx is None else vx.float(), return_lse=True)
+        assert o.dtype == dtype and not torch.isnan(o).any() and not torch.isnan(lse).any()
+        err = ((o.float() - ro).norm() / ro.norm()).item()
+        assert err < ATTN_RTOL[dtype], (splits, err)
+        assert torch.allclose(lse, rl, atol=5e-2 if dtype == torch.bfloat16 else 1e-2), (lse - rl).abs().max()
+
+
+def test_sparse_decode_attention_bitwise_engine_path(seed):
+    """fp32 on the interpreter / fp32 on GPU: close to SDPA over the gathered tokens for D=64, bs=16."""
+    q, ws_k, ws_v, ids, rows, seq = _ws_case(4, 3, 3, 8, 16, 64, 64, torch.float32, 1)
+    o, _ = sparse_decode_attention(q, ws_k, ws_v, ids, rows, seq, None)
+    ro, _ = REF.sparse_decode_attention(q, ws_k, ws_v, ids, rows, seq, None)
+    assert ((o - ro).norm() / ro.norm()).item() < ATTN_RTOL[torch.float32]
+
+
+# ---- 4. block copies (H2D gather, D2H write-back) ---------------------------------------------
+@pytest.mark.parametrize("direction", ["h2d", "d2h"])
+def test_copy_blocks_exact(seed, direction):
+    piece_k, piece_v, Ns, Nd, M = 16 * 32, 16 * 24, 40, 30, 17
+    host_k, host_v = host_tensor((Ns, piece_k), torch.bfloat16), host_tensor((Ns, piece_v), torch.bfloat16)
+    dev_k = torch.randn(Nd, piece_k).to(torch.bfloat16).to(DEV)     # poisoned destination
+    dev_v = torch.randn(Nd, piece_v).to(torch.bfloat16).to(DEV)
+    if direction == "h2d":
+        src, dst = (host_k, host_v), (dev_k, dev_v)
+        si, di = torch.randint(0, Ns, (M,)), torch.randperm(Nd)[:M]
+    else:
+        src, dst = (dev_k, dev_v), (host_k, host_v)
+        si, di = torch.randint(0, Nd, (M,)), torch.randperm(Ns)[:M]
+    want_k, want_v = dst[0].clone().cpu(), dst[1].clone().cpu()
+    want_k[di] = src[0].cpu()[si]
+    want_v[di] = src[1].cpu()[si]
+    copy_blocks(dst[0], dst[1], di.to(DEV), src[0], src[1], si.to(DEV))
+    if CUDA:
+        torch.cuda.synchronize()
+    assert torch.equal(dst[0].cpu(), want_k) and torch.equal(dst[1].cpu(), want_v)
+
+
+# ---- the engine with the Triton ops equals the engine with the torch references ---------------------
+def test_engine_triton_ops_equal_torch_ops(seed):
+    cfg = OasisConfig(budget_tokens=64, block_size=8, fetch_cap=2, sink_blocks=1, recent_blocks=1, dense_layers=(0,))
+    H, G, D, R = 2, 2, 16, 4
+    engines = [OasisSparseKV(cfg, 2, 4096, R, H, D, D, torch.float32, DEV, ops=ops)
+               for ops in (TorchKVOps(), get_kv_ops("triton"))]
+    lens = [150, 61, 97]
+    rtt, _ = layout([n + 40 for n in lens], 8, max_len=512)
+    rtt = rtt.to(DEV)
+    rows = torch.arange(3, device=DEV)
+    ints = lambda *s: torch.randint(-2, 3, s).float().to(DEV)  # noqa: E731  exact scores, no near-ties
+    T = sum(lens)
+    loc = torch.cat([rtt[r, :n] for r, n in enumerate(lens)]).long()
+    k, v = ints(T, H, D), torch.randn(T, H, D, device=DEV)
+    for e in engines:
+        e.write_kv(1, loc, k, v)
+    seq = torch.tensor(lens, device=DEV)
+    for step in range(24):
+        seq = seq + 1
+        loc = rtt[rows, seq - 1].long()
+        q, kn, vn = ints(3, H * G, D) * 0.25, ints(3, H, D), torch.randn(3, H, D, device=DEV)
+        outs = []
+        for e in engines:
+            e.write_kv(1, loc, kn, vn, one_token_each=True)
+            outs.append(e.decode_attention(1, q, kn, vn, rows, seq, rtt, None))
+        assert torch.equal(engines[0].ws.ids.cpu(), engines[1].ws.ids.cpu()), step
+        assert ((outs[0] - outs[1]).norm() / outs[0].norm()).item() < ATTN_RTOL[torch.float32]
+    a, b = (e.residency() for e in engines)
+    assert a == b and a["admitted_blocks"] > 0 and a["evicted_blocks"] > 0
