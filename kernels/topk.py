@@ -11,8 +11,9 @@ complete blocks their bound; the partial block and blocks past the context ``-in
 The kernel writes one int64 key per block: the score's order-preserving 32-bit image in the
 high half and ``2**32 - 1 - j`` in the low half, so all keys are distinct, a larger key means a
 higher score or, on a tie, a lower block id, and ``torch.topk`` on the keys returns exactly the
-reference's stable order. One program per (query row, KV head, tile of blocks); only candidate
-blocks' summaries are read: ``2 * H * D * e`` bytes per complete block (``2 / bs`` of its KV).
+reference's stable order. One program per (query row, KV head, tile of blocks) reads each
+candidate block's min and max rows once (contiguous ``D`` elements) for all ``G`` query heads;
+only candidate blocks' summaries are read: ``2 * H * D * e`` bytes per complete block (``2 / bs`` of its KV).
 Reference: ``oasis_sglang.core.ops.TorchKVOps.select_topk``.
 """
 
@@ -37,7 +38,7 @@ def _score_kernel(Q, Kmin, Kmax, ReqToToken, Rows, SeqLens, Keys,
                   stride_qb, stride_qh, stride_sp, stride_rt, stride_kb, stride_kh,
                   H, NB, sink, recent,
                   G: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
-                  BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                  BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     pid = tl.program_id(0)
     b = pid // H
     h = pid % H
@@ -51,22 +52,20 @@ def _score_kernel(Q, Kmin, Kmax, ReqToToken, Rows, SeqLens, Keys,
     cand = (j < ncomp) & (~forced)
     tok = tl.load(ReqToToken + row * stride_rt + j.to(tl.int64) * BS, mask=cand, other=0)
     page = (tok // BS).to(tl.int64)
-    g = tl.arange(0, BLOCK_G)
-    gm = g < G
-    acc = tl.zeros((BLOCK_G, BLOCK_N), dtype=tl.float32)
-    for d0 in tl.static_range(0, D, BLOCK_D):
-        dd = d0 + tl.arange(0, BLOCK_D)
-        dm = dd < D
-        qv = tl.load(Q + b.to(tl.int64) * stride_qb + (h * G + g)[:, None] * stride_qh + dd[None, :],
-                     mask=gm[:, None] & dm[None, :], other=0.0).to(tl.float32)
-        srow = page[:, None] * stride_sp + h * D + dd[None, :]
-        sm = cand[:, None] & dm[None, :]
-        lo = tl.load(Kmin + srow, mask=sm, other=0.0).to(tl.float32)
-        hi = tl.load(Kmax + srow, mask=sm, other=0.0).to(tl.float32)
-        prod = tl.maximum(qv[:, None, :] * lo[None, :, :], qv[:, None, :] * hi[None, :, :])
-        acc += tl.sum(prod, axis=2)
-    score = tl.max(tl.where(gm[:, None], acc, float("-inf")), axis=0) + 0.0    # -0.0 -> +0.0
-    score = tl.where(score != score, -3.0e38, score)                             # NaN -> lowest finite
+    d = tl.arange(0, BLOCK_D)
+    dm = d < D
+    srow = page[:, None] * stride_sp + h * D + d[None, :]      # one contiguous D-row per block
+    sm = cand[:, None] & dm[None, :]
+    lo = tl.load(Kmin + srow, mask=sm, other=0.0).to(tl.float32)
+    hi = tl.load(Kmax + srow, mask=sm, other=0.0).to(tl.float32)
+    score = tl.full((BLOCK_N,), float("-inf"), tl.float32)
+    qbase = Q + b.to(tl.int64) * stride_qb + (h * G) * stride_qh
+    for g in tl.static_range(G):                               # GQA: max over the group's bounds
+        qv = tl.load(qbase + g * stride_qh + d, mask=dm, other=0.0).to(tl.float32)
+        u = tl.sum(tl.maximum(qv[None, :] * lo, qv[None, :] * hi), axis=1)
+        score = tl.maximum(score, u)
+    score = score + 0.0                                          # -0.0 -> +0.0
+    score = tl.where(score != score, -3.0e38, score)             # NaN -> lowest finite
     score = tl.where(forced, float("inf"), tl.where(cand, score, float("-inf")))
     k32 = score.to(tl.int32, bitcast=True)
     k32 = tl.where(k32 < 0, k32 ^ 0x7FFFFFFF, k32)
@@ -75,7 +74,7 @@ def _score_kernel(Q, Kmin, Kmax, ReqToToken, Rows, SeqLens, Keys,
 
 
 def block_keys(q, kmin, kmax, req_to_token, rows, seq_lens, block_size: int, sink_blocks: int,
-               recent_blocks: int, nb_max: int, block_n: int = 64) -> torch.Tensor:
+               recent_blocks: int, nb_max: int, block_n: int = 32) -> torch.Tensor:
     """Selection keys ``[B, H, nb_max]`` int64 (see module docstring). Arguments as ``select_topk``.
 
     Raises:
@@ -91,14 +90,11 @@ def block_keys(q, kmin, kmax, req_to_token, rows, seq_lens, block_size: int, sin
     keys = torch.empty((B, H, nb_max), dtype=torch.int64, device=q.device)
     if B == 0 or nb_max == 0:
         return keys
-    BLOCK_G = next_pow2(G)
-    BLOCK_D = min(next_pow2(D), max(16, 4096 // (BLOCK_G * block_n)))
     grid = (B * H, triton.cdiv(nb_max, block_n))
     _score_kernel[grid](q, kmin, kmax, req_to_token, rows, seq_lens, keys,
                         q.stride(0), q.stride(1), kmin.stride(0), req_to_token.stride(0),
                         keys.stride(0), keys.stride(1), H, nb_max, sink_blocks, recent_blocks,
-                        G=G, BS=block_size, D=D, BLOCK_G=BLOCK_G, BLOCK_N=block_n, BLOCK_D=BLOCK_D,
-                        num_warps=4)
+                        G=G, BS=block_size, D=D, BLOCK_N=block_n, BLOCK_D=next_pow2(D), num_warps=4)
     return keys
 
 

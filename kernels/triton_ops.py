@@ -15,9 +15,9 @@ class TritonKVOps(BaseKVOps):
 
     name = "triton"
 
-    def write_kv(self, host_k, host_v, kmin, kmax, loc, k, v, block_size, one_token_each=False):
+    def write_kv(self, host_k, host_v, kmin, kmax, loc, k, v, block_size, one_token_each=False, write_host=True):
         """See :meth:`BaseKVOps.write_kv`; ``one_token_each`` skips segmenting (decode)."""
-        write_kv(host_k, host_v, kmin, kmax, loc, k, v, block_size, one_token_each)
+        write_kv(host_k, host_v, kmin, kmax, loc, k, v, block_size, one_token_each, write_host)
 
     def select_topk(self, q, kmin, kmax, req_to_token, rows, seq_lens, block_size, sink_blocks,
                     recent_blocks, nb_max, k):

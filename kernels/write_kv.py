@@ -31,7 +31,8 @@ reference = TorchKVOps().write_kv
 def _write_kv_kernel(HostK, HostV, Kmin, Kmax, K, V, SegPage, SegOff, SegSrc, SegLen,
                      stride_hk_h, stride_hv_h, stride_s_p, stride_k_n, stride_k_h, stride_v_n, stride_v_h,
                      P, BS: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
-                     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+                     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                     WRITE_HOST: tl.constexpr):
     seg = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
     page = tl.load(SegPage + seg).to(tl.int64)
@@ -44,13 +45,14 @@ def _write_kv_kernel(HostK, HostV, Kmin, Kmax, K, V, SegPage, SegOff, SegSrc, Se
     dm = d < D
     m = tm[:, None] & dm[None, :]
     k = tl.load(K + (src + t)[:, None] * stride_k_n + h * stride_k_h + d[None, :], mask=m, other=0.0)
-    host_tok = h * stride_hk_h + (page * BS + off0 + t)[:, None] * D
-    tl.store(HostK + host_tok + d[None, :], k.to(HostK.dtype.element_ty), mask=m)
-    dv = tl.arange(0, BLOCK_DV)
-    mv = tm[:, None] & (dv < DV)[None, :]
-    v = tl.load(V + (src + t)[:, None] * stride_v_n + h * stride_v_h + dv[None, :], mask=mv, other=0.0)
-    tl.store(HostV + h * stride_hv_h + (page * BS + off0 + t)[:, None] * DV + dv[None, :],
-             v.to(HostV.dtype.element_ty), mask=mv)
+    if WRITE_HOST:
+        host_tok = h * stride_hk_h + (page * BS + off0 + t)[:, None] * D
+        tl.store(HostK + host_tok + d[None, :], k.to(HostK.dtype.element_ty), mask=m)
+        dv = tl.arange(0, BLOCK_DV)
+        mv = tm[:, None] & (dv < DV)[None, :]
+        v = tl.load(V + (src + t)[:, None] * stride_v_n + h * stride_v_h + dv[None, :], mask=mv, other=0.0)
+        tl.store(HostV + h * stride_hv_h + (page * BS + off0 + t)[:, None] * DV + dv[None, :],
+                 v.to(HostV.dtype.element_ty), mask=mv)
     kc = k.to(Kmin.dtype.element_ty).to(tl.float32)
     lo = tl.min(tl.where(m, kc, float("inf")), axis=0)
     hi = tl.max(tl.where(m, kc, float("-inf")), axis=0)
@@ -82,10 +84,11 @@ def segments(loc: torch.Tensor, block_size: int, one_token_each: bool = False):
     return first // block_size, first % block_size, start, length
 
 
-def write_kv(host_k, host_v, kmin, kmax, loc, k, v, block_size: int, one_token_each: bool = False) -> None:
+def write_kv(host_k, host_v, kmin, kmax, loc, k, v, block_size: int, one_token_each: bool = False,
+             write_host: bool = True) -> None:
     """Triton version of :meth:`TorchKVOps.write_kv` (same arguments; see there).
 
-    ``one_token_each=True`` when each token is in its own block (decode batches).
+    ``one_token_each=True`` when each token is in its own block (decode batches: no sync).
     Raises:
         AssertionError: shapes, strides or dtypes do not match the layouts.
     """
@@ -105,4 +108,5 @@ def write_kv(host_k, host_v, kmin, kmax, loc, k, v, block_size: int, one_token_e
     _write_kv_kernel[grid](
         kernel_arg(host_k, dev), kernel_arg(host_v, dev), kmin, kmax, k, v, page, off, src, length,
         host_k.stride(0), host_v.stride(0), kmin.stride(0), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        P, BS=bs, D=D, DV=Dv, BLOCK_T=next_pow2(bs), BLOCK_D=next_pow2(D), BLOCK_DV=next_pow2(Dv))
+        P, BS=bs, D=D, DV=Dv, BLOCK_T=next_pow2(bs), BLOCK_D=next_pow2(D), BLOCK_DV=next_pow2(Dv),
+        WRITE_HOST=write_host)

@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from oasis_sglang.kernels.copy_blocks import copy_blocks
 from oasis_sglang.kernels.sparse_decode import sparse_decode_attention
-from oasis_sglang.kernels.topk import select_topk
+from oasis_sglang.kernels.topk import block_keys, select_topk, topk_from_keys
 from oasis_sglang.kernels.write_kv import write_kv
 
 H, G, D, BS = 8, 4, 128, 16
@@ -35,6 +35,30 @@ E = 2  # bytes per element
 def bench(fn, rep=200):
     """Median milliseconds of ``fn`` (CUDA events, after warm-up)."""
     return triton.testing.do_bench(fn, warmup=50, rep=rep, return_mode="median")
+
+
+def bench_graph(fn, calls: int = 20):
+    """Median milliseconds of one ``fn`` call replayed from a CUDA graph of ``calls`` calls.
+
+    Graph replay removes the host-side launch cost, so this is the GPU time of the kernels.
+    Returns ``None`` when ``fn`` cannot be captured (it synchronises with the host).
+    """
+    try:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(calls):
+                fn()
+        return bench(g.replay) / calls
+    except Exception as e:  # noqa: BLE001
+        print(f"not capturable: {e.__class__.__name__}: {str(e)[:120]}", file=sys.stderr)
+        torch.cuda.synchronize()
+        return None
 
 
 def ceilings() -> dict:
@@ -99,14 +123,23 @@ def main() -> int:
         return 2
     torch.manual_seed(0)
     rows, raw = [], {}
-    steps = tqdm(total=7, desc="bench_kernels", file=sys.stderr)
+    steps = tqdm(total=6, desc="bench_kernels", file=sys.stderr)
     ceil = ceilings()
     raw["ceilings_GBps"] = ceil
     steps.update()
 
-    def add(kernel, shape, ms, nbytes, bound, target="", extra=""):
+    def add(kernel, shape, fn_or_ms, nbytes, bound, target="", extra="", graph=True):
+        """Time ``fn`` eagerly and from a CUDA graph; GB/s from the GPU (graph) time when there is one."""
+        if callable(fn_or_ms):
+            eager = bench(fn_or_ms)
+            gpu = bench_graph(fn_or_ms) if graph else None
+        else:
+            eager, gpu = fn_or_ms, None
+        ms = gpu if gpu is not None else eager
         gbs = nbytes / ms / 1e6
-        rows.append((kernel, shape, ms * 1e3, nbytes / 2**20, gbs, 100 * gbs / ceil[bound], bound, target, extra))
+        rows.append((kernel, shape, eager * 1e3, gpu * 1e3 if gpu else float("nan"), nbytes / 2**20, gbs,
+                     100 * gbs / ceil[bound], bound, target, extra))
+        return ms
 
     # 4. H2D gather and D2H write-back of 4 KiB pieces (one launch for K and V)
     P, M = 32768, 8192
@@ -114,40 +147,36 @@ def main() -> int:
     hv = torch.randn(H * P, BS * D, dtype=DT).pin_memory()
     wk = torch.randn(4 * M, BS * D, device="cuda", dtype=DT)
     wv = torch.randn(4 * M, BS * D, device="cuda", dtype=DT)
-    sets = [(torch.randperm(H * P, device="cuda")[:M], torch.randperm(4 * M, device="cuda")[:M]) for _ in range(4)]
-    it = iter(range(1 << 30))
+    src_i, dst_i = torch.randperm(H * P, device="cuda")[:M], torch.randperm(4 * M, device="cuda")[:M]
     nbytes = 2 * M * BS * D * E
-
-    def pick():      # rotate index sets so repeated runs do not re-read the same pieces
-        return sets[next(it) % len(sets)]
-
-    def h2d():
-        src, dst = pick()
-        copy_blocks(wk, wv, dst, hk, hv, src)
-
-    def d2h():
-        src, dst = pick()
-        copy_blocks(hk, hv, src, wk, wv, dst)
-
-    ms = bench(h2d)
-    add("copy_blocks H2D (gather)", f"{M} x 2 pieces of 4 KiB", ms, nbytes, "h2d", ">= 49 GB/s")
-    ms = bench(d2h)
-    add("copy_blocks D2H (write-back)", f"{M} x 2 pieces of 4 KiB", ms, nbytes, "d2h")
+    add("copy_blocks H2D (gather)", f"{M} x 2 random pieces of 4 KiB", lambda: copy_blocks(wk, wv, dst_i, hk, hv, src_i),
+        nbytes, "h2d", ">= 49 GB/s")
+    add("copy_blocks D2H (write-back)", f"{M} x 2 random pieces of 4 KiB", lambda: copy_blocks(hk, hv, src_i, wk, wv, dst_i),
+        nbytes, "d2h")
+    m64 = 64 // 16 * H         # a decode step of 64 requests completes ~4 blocks x 8 KV heads per layer
+    add("copy_blocks D2H (write-back)", f"{m64} x 2 pieces (decode step, 64 req)",
+        lambda: copy_blocks(hk, hv, src_i[:m64], wk, wv, dst_i[:m64]), 2 * m64 * BS * D * E, "d2h")
     raw["pinned_host_GiB"] = 2 * hk.numel() * E / 2**30
     steps.update()
 
-    # 1. host-tier write + summaries: a decode batch (one token each) and a 16K-token prefill
+    # 1. summaries (+ host-tier write for prefill): a decode batch (one token each), a 16K prefill
     hk4, hv4 = hk.view(H, P, BS, D), hv.view(H, P, BS, D)
     kmin = torch.randn(P, H, D, device="cuda", dtype=DT)
     kmax = torch.randn(P, H, D, device="cuda", dtype=DT)
-    for n, one, name in ((64, True, "decode, 64 requests"), (16384, False, "prefill, 16384 tokens")):
-        loc = (torch.randperm(P, device="cuda")[:n] * BS + torch.randint(0, BS, (n,), device="cuda")) if one \
-            else torch.arange(n, device="cuda") + BS * 7
-        k = torch.randn(n, H, D, device="cuda", dtype=DT)
-        v = torch.randn(n, H, D, device="cuda", dtype=DT)
-        ms = bench(lambda: write_kv(hk4, hv4, kmin, kmax, loc, k, v, BS, one_token_each=one))
-        add("write_kv (host tier + summaries)", name, ms, 2 * n * H * D * E, "d2h",
-            extra=f"{'256 B' if one else '4 KiB'} host pieces")
+    n = 64
+    loc = torch.randperm(P, device="cuda")[:n] * BS + torch.randint(0, BS, (n,), device="cuda")
+    k = torch.randn(n, H, D, device="cuda", dtype=DT)
+    add("write_kv (summaries only)", "decode, 64 requests (tokens go to the working set)",
+        lambda: write_kv(hk4, hv4, kmin, kmax, loc, k, k, BS, one_token_each=True, write_host=False),
+        2 * n * H * D * E, "hbm")
+    add("write_kv (host tier + summaries)", "64 single tokens (256 B host pieces; not used in decode)",
+        lambda: write_kv(hk4, hv4, kmin, kmax, loc, k, k, BS, one_token_each=True), 2 * n * H * D * E, "d2h")
+    n = 16384
+    loc = torch.arange(n, device="cuda") + BS * 7
+    k = torch.randn(n, H, D, device="cuda", dtype=DT)
+    add("write_kv (host tier + summaries)", "prefill, 16384 tokens", lambda: write_kv(hk4, hv4, kmin, kmax, loc, k, k, BS),
+        2 * n * H * D * E, "d2h", graph=False)
+    del hk, hv, hk4, hv4, wk, wv
     steps.update()
 
     # 2. scoring + top-K: 64 requests x 32K context x 8 KV heads, one layer; x layers per step
@@ -161,24 +190,30 @@ def main() -> int:
     qs = torch.randn(B, H * G, D, device="cuda", dtype=DT)
     rws = torch.arange(B, device="cuda")
     seq = torch.full((B,), ctx, device="cuda", dtype=torch.int64)
-    ms_topk = bench(lambda: select_topk(qs, smin, smax, rtt, rws, seq, BS, 1, 2, nb, K))
-    add("select_topk (score + top-K)", f"{B} req x {ctx // 1024}K ctx x {H} KV heads, 1 layer", ms_topk,
-        2 * Pp * H * D * E, "hbm")
+    sbytes = 2 * Pp * H * D * E
+    shape = f"{B} req x {ctx // 1024}K ctx x {H} KV heads, 1 layer"
+    ms_topk = add("select_topk (score + top-K)", shape,
+                  lambda: select_topk(qs, smin, smax, rtt, rws, seq, BS, 1, 2, nb, K), sbytes, "hbm")
+    add("  of which block_keys (scoring)", shape, lambda: block_keys(qs, smin, smax, rtt, rws, seq, BS, 1, 2, nb),
+        sbytes, "hbm")
+    keys = block_keys(qs, smin, smax, rtt, rws, seq, BS, 1, 2, nb)
+    add("  of which torch.topk on the keys", f"[{B}, {H}, {nb}] int64, k={K}", lambda: topk_from_keys(keys, K),
+        keys.numel() * 8, "hbm")
     raw["select_topk_ms_per_layer"] = ms_topk
-    del smin, smax
+    del smin, smax, keys
     steps.update()
     dense = sglang_decode(B, ctx, 16)
     if dense is not None:
         fn, nbytes = dense
-        ms_dense = bench(fn, rep=100)
-        add("SGLang triton decode (dense)", f"{B} req x {ctx // 1024}K ctx, 1 layer", ms_dense, nbytes, "hbm")
+        ms_dense = add("SGLang triton decode (dense)", f"{B} req x {ctx // 1024}K ctx, 1 layer", fn, nbytes, "hbm")
         weights_ms = args.weights_gb * 1e9 / (ceil["hbm"] / 2 * 1e9) * 1e3
         step_ms = args.layers * ms_dense + weights_ms
         raw["dense_step_ms_estimate"] = step_ms
         raw["topk_share_of_dense_step"] = args.layers * ms_topk / step_ms
-        rows.append(("select_topk x layers / dense step", f"{args.layers} layers; dense step = attention + "
-                     f"{args.weights_gb} GB weights at HBM read speed", args.layers * ms_topk * 1e3, 0, 0,
-                     100 * args.layers * ms_topk / step_ms, "share", "<= 5%", f"dense step {step_ms:.1f} ms"))
+        rows.append(("select_topk x layers / dense step", f"{args.layers} layers; dense step = {args.layers} x attention + "
+                     f"{args.weights_gb} GB weights at HBM read speed = {step_ms:.1f} ms", float("nan"),
+                     args.layers * ms_topk * 1e3, 0, 0, 100 * args.layers * ms_topk / step_ms, "share of step",
+                     "<= 5%", ""))
         del fn, dense
     torch.cuda.empty_cache()
     steps.update()
@@ -187,23 +222,25 @@ def main() -> int:
     for B in (8, 32, 64):
         q, ws_k, ws_v, ids, rws, seq = ws_case(B, 2048 // BS)
         nbytes = 2 * B * H * 2048 * D * E
-        ms = bench(lambda: sparse_decode_attention(q, ws_k, ws_v, ids, rws, seq, None))
-        add("sparse_decode_attention", f"B={B}, 2048-token working set, 1 row", ms, nbytes, "hbm", ">= 70% HBM")
-        ms_sp = ms
+        ms_sp = add("sparse_decode_attention", f"B={B}, 2048-token working set, 1 row",
+                    lambda: sparse_decode_attention(q, ws_k, ws_v, ids, rws, seq, None), nbytes, "hbm", ">= 70% HBM")
         q2 = torch.randn(B, 2, H * G, D, device="cuda", dtype=DT)
         kx = torch.randn(B, H, D, device="cuda", dtype=DT)
-        ms = bench(lambda: sparse_decode_attention(q2, ws_k, ws_v, ids, rws, seq, None, kx, kx))
-        add("sparse_decode_attention", f"B={B}, 2048-token working set, 2 rows (normal + draft)", ms, nbytes, "hbm")
-        best = None
+        add("sparse_decode_attention", f"B={B}, 2048-token working set, 2 rows (normal + draft)",
+            lambda: sparse_decode_attention(q2, ws_k, ws_v, ids, rws, seq, None, kx, kx), nbytes, "hbm")
+        best, best_s = None, None
         for splits in (4, 8, 16):
             d = sglang_decode(B, 2048, splits)
             if d is not None:
-                t = bench(d[0])
-                best = t if best is None or t < best else best
+                t = bench_graph(d[0])
+                if best is None or t < best:
+                    best, best_s = t, splits
                 del d
         if best is not None:
-            add("SGLang triton decode (dense)", f"B={B}, 2048-token context (best of 4/8/16 splits)", best, nbytes, "hbm",
-                extra=f"oasis/sglang = {ms_sp / best:.2f}x (target <= 1.2x)")
+            d = sglang_decode(B, 2048, best_s)
+            add("SGLang triton decode (dense)", f"B={B}, 2048-token context ({best_s} splits, best of 4/8/16)", d[0],
+                nbytes, "hbm", extra=f"oasis/sglang GPU time = {ms_sp / best:.2f}x (target <= 1.2x)")
+            del d
         del q, ws_k, ws_v, ids
         torch.cuda.empty_cache()
     steps.update()
@@ -213,10 +250,13 @@ def main() -> int:
     lines = [f"Device: {dev}; torch {torch.__version__}, triton {triton.__version__}. Ceilings measured here: "
              f"HBM copy {ceil['hbm']:.0f} GB/s (read + write), pinned H2D {ceil['h2d']:.1f} GB/s, "
              f"D2H {ceil['d2h']:.1f} GB/s.", "",
-             "| kernel | shape | time (us) | MiB moved | GB/s | % of ceiling | ceiling | target | note |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "Eager = one call as the engine makes it (includes host-side launch cost); GPU = the same call "
+             "replayed from a CUDA graph (kernel time). GB/s and % use the GPU time when there is one.", "",
+             "| kernel | shape | eager (us) | GPU (us) | MiB moved | GB/s | % of ceiling | ceiling | target | note |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r[0]} | {r[1]} | {r[2]:.1f} | {r[3]:.1f} | {r[4]:.1f} | {r[5]:.1f} | {r[6]} | {r[7]} | {r[8]} |")
+        lines.append(f"| {r[0]} | {r[1]} | {r[2]:.1f} | {r[3]:.1f} | {r[4]:.1f} | {r[5]:.1f} | {r[6]:.1f} | {r[7]} | "
+                     f"{r[8]} | {r[9]} |")
     table = "\n".join(lines)
     print(table)
     raw["rows"] = rows

@@ -35,6 +35,6 @@ case $stage in
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
     export OASIS_ATTENTION_BACKEND=torch_native OASIS_TEST_OUT=${OUT:-/tmp/out}
     python3 -m oasis_sglang.cli prepare-model
-    python3 -m pytest -v -rs tests/test_core.py tests/test_kernels.py tests/test_e2e.py "$@" 2>&1 | tee ${OUT:-/tmp}/gpu_smoke.log
+    python3 -m pytest -v -rs tests/test_core.py tests/test_e2e.py "$@" 2>&1 | tee ${OUT:-/tmp}/gpu_smoke.log
     ;;
 esac

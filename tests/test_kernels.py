@@ -236,16 +236,26 @@ def test_engine_triton_ops_equal_torch_ops(seed):
     k, v = ints(T, H, D), torch.randn(T, H, D, device=DEV)
     for e in engines:
         e.write_kv(1, loc, k, v)
+    truth_k, truth_v = torch.zeros(4096, H, D), torch.zeros(4096, H, D)   # every token ever written
+    truth_k[loc.cpu()], truth_v[loc.cpu()] = k.cpu(), v.cpu()
     seq = torch.tensor(lens, device=DEV)
     for step in range(24):
         seq = seq + 1
         loc = rtt[rows, seq - 1].long()
         q, kn, vn = ints(3, H * G, D) * 0.25, ints(3, H, D), torch.randn(3, H, D, device=DEV)
         outs = []
+        truth_k[loc.cpu()], truth_v[loc.cpu()] = kn.cpu(), vn.cpu()
         for e in engines:
-            e.write_kv(1, loc, kn, vn, one_token_each=True)
+            e.write_kv(1, loc, kn, vn, decode=True)
             outs.append(e.decode_attention(1, q, kn, vn, rows, seq, rtt, None))
         assert torch.equal(engines[0].ws.ids.cpu(), engines[1].ws.ids.cpu()), step
         assert ((outs[0] - outs[1]).norm() / outs[0].norm()).item() < ATTN_RTOL[torch.float32]
     a, b = (e.residency() for e in engines)
-    assert a == b and a["admitted_blocks"] > 0 and a["evicted_blocks"] > 0
+    assert a == b and a["admitted_blocks"] > 0 and a["evicted_blocks"] > 0 and a["bytes_d2h"] > 0
+    # decode tokens reached the host tier as whole blocks: every complete block holds exactly its tokens
+    for e in engines:
+        for r in range(3):
+            n = int(seq[r]) // 8 * 8
+            locs = rtt[r, :n].long().cpu()
+            hk, hv = e.host.read_tokens(0, locs)
+            assert torch.equal(hk, truth_k[locs]) and torch.equal(hv, truth_v[locs])

@@ -7,14 +7,14 @@ Synchronous ("current" query) selection, as in the foundation of the paper's pip
 look-ahead predictor and the asynchronous predict/select/transfer stages build on it.
 
 Decode step of one sparse layer (paper: Methodology):
-  1. write the new token's K/V to the host tier (the full KV cache lives there) and fold its
-     key into its block's min/max summary (``ops.write_kv``);
+  1. fold the new token's key into its block's min/max summary (``ops.write_kv``);
   2. (a block's summary is final once its last token is written);
   3. score every complete block of each request with the query (Quest bound, GQA max) and
      take the top-K per KV head, sink and recent blocks forced;
   4. bring missing blocks from the host tier into the working set, evicting LRU blocks,
      at most ``fetch_cap`` evicting admissions per (request, KV head);
-  5. write the new token into its resident block and attend over the working set.
+  5. write the new token into its resident block, write blocks it completed back to the
+     host tier (where the full KV cache lives) and attend over the working set.
 Prefill of a sparse layer writes the host tier and summaries the same way and attends densely
 over the new tokens plus any cached prefix read back from the host tier.
 """
@@ -42,6 +42,7 @@ class OasisStats:
     admitted_blocks: int = 0
     evicted_blocks: int = 0
     bytes_h2d: int = 0
+    bytes_d2h: int = 0
     last_rows: list = field(default_factory=list)
     new_request_started: bool = False
     last_context_tokens: list = field(default_factory=list)
@@ -105,15 +106,19 @@ class OasisSparseKV:
 
     # ---- writes -------------------------------------------------------------------------
     def write_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 one_token_each: bool = False) -> None:
-        """Store new tokens of a sparse layer in the host tier and fold their keys into the
-        block summaries (``loc [N]``, ``k [N, H, D]``, ``v [N, H, Dv]``; ``ops.write_kv``).
-        ``one_token_each``: each token is in a different block (a decode batch)."""
+                 decode: bool = False) -> None:
+        """New tokens of a sparse layer (``loc [N]``, ``k [N, H, D]``, ``v [N, H, Dv]``).
+
+        Their keys are folded into the block summaries (``ops.write_kv``). Prefill tokens go to
+        the host tier now. Decode tokens (``decode=True``, one per request) go to the working
+        set in ``decode_attention`` and reach the host tier as whole blocks once their block is
+        complete (4 KiB pieces instead of 256 B ones; the partial block is always resident).
+        """
         li = self.index[layer_id]
         s = self.summaries
         self.ops.write_kv(self.host.k[li], self.host.v[li], s.kmin[li], s.kmax[li], loc,
                           k.view(-1, self.head_num, self.head_dim), v.view(-1, self.head_num, self.v_head_dim),
-                          self.bs, one_token_each=one_token_each)
+                          self.bs, one_token_each=decode, write_host=not decode)
 
     # ---- prefill --------------------------------------------------------------------------
     def extend_attention(self, layer_id: int, q: torch.Tensor, rows: torch.Tensor, prefix_lens: torch.Tensor,
@@ -189,8 +194,9 @@ class OasisSparseKV:
         self.stats.evicted_blocks += adm.evicted
         self.stats.hit_blocks += adm.hits
         self.stats.bytes_h2d += n_adm * self._block_bytes
-        # 5. write-through and attention over the working set
-        self.ws.write_token(li, rows_d, seq - 1, k_new, v_new)
+        # 5. the new token into its resident block; completed blocks written back to the host tier
+        entry = self.ws.write_token(li, rows_d, seq - 1, k_new, v_new)
+        self._write_back(li, rows_d, seq, entry, rtt)
         out, _ = ops.sparse_decode_attention(q.view(q.shape[0], 1, q.shape[1], q.shape[2]), self.ws.k[li],
                                              self.ws.v[li], self.ws.ids[li], rows_d, seq, scale)
         if li == 0:
@@ -203,6 +209,23 @@ class OasisSparseKV:
             held = (seq[:, None] - ids0 * bs).clamp(0, bs) * (ids0 >= 0)
             self.stats.last_resident_tokens = held.sum(-1).tolist()
         return out.view(q.shape[0], q.shape[1], self.v_head_dim)
+
+    def _write_back(self, li: int, rows: torch.Tensor, seq: torch.Tensor, entry: torch.Tensor,
+                    req_to_token: torch.Tensor) -> None:
+        """Copy the blocks completed by this step's tokens from the working set to the host tier."""
+        done = torch.nonzero(seq % self.bs == 0).squeeze(1)
+        if done.numel() == 0:
+            return
+        bs, H, K, P = self.bs, self.head_num, self.cfg.budget_blocks, self.host.num_pages
+        r = rows[done]
+        page = torch.div(req_to_token[r, seq[done] - 1].long(), bs, rounding_mode="floor")
+        h = torch.arange(H, device=r.device)
+        src = ((r[:, None] * H + h) * K + entry[done]).reshape(-1)
+        dst = (h * P + page[:, None]).reshape(-1)
+        self.ops.copy_blocks(self.host.k[li].view(-1, bs * self.head_dim), self.host.v[li].view(-1, bs * self.v_head_dim),
+                             dst, self.ws.k[li].view(-1, bs * self.head_dim), self.ws.v[li].view(-1, bs * self.v_head_dim),
+                             src)
+        self.stats.bytes_d2h += int(src.numel()) * self._block_bytes
 
     # ---- lifecycle and reporting ----------------------------------------------------------
     def reset_rows(self, rows) -> None:
@@ -226,4 +249,5 @@ class OasisSparseKV:
             "admitted_blocks": s.admitted_blocks,
             "evicted_blocks": s.evicted_blocks,
             "bytes_h2d": s.bytes_h2d,
+            "bytes_d2h": s.bytes_d2h,
         }

@@ -38,7 +38,8 @@ class BaseKVOps:
 
     name = "base"
 
-    def write_kv(self, host_k, host_v, kmin, kmax, loc, k, v, block_size: int, one_token_each: bool = False) -> None:
+    def write_kv(self, host_k, host_v, kmin, kmax, loc, k, v, block_size: int, one_token_each: bool = False,
+                 write_host: bool = True) -> None:
         """Write new tokens to the host tier and fold their keys into their blocks' summaries.
 
         Args:
@@ -47,6 +48,9 @@ class BaseKVOps:
             loc: ``[N]`` int64 token locations (page = ``loc // bs``, offset ``loc % bs``), in
                 position order within each request (SGLang's ``out_cache_loc``).
             k: ``[N, H, D]``, v: ``[N, H, Dv]`` (cast to the tier dtype).
+            one_token_each: every token is in a different block (a decode batch; a hint).
+            write_host: ``False`` updates only the summaries (decode: the tokens go to the
+                working set and reach the host tier as whole blocks, ``copy_blocks``).
         A token at block offset 0 starts its block's summary; any other token is folded into
         the block's current min/max, so after the block's last token the summary is exactly the
         block's coordinate-wise min/max (Quest Sec. 3), whatever the prefill/decode split.
@@ -105,13 +109,14 @@ class TorchKVOps(BaseKVOps):
 
     name = "torch"
 
-    def write_kv(self, host_k, host_v, kmin, kmax, loc, k, v, block_size, one_token_each=False):
+    def write_kv(self, host_k, host_v, kmin, kmax, loc, k, v, block_size, one_token_each=False, write_host=True):
         H, P, bs, D = host_k.shape
         assert bs == block_size and k.shape[1:] == (H, D) and v.shape[0] == k.shape[0] == loc.numel()
-        loc_h = loc.to(host_k.device, torch.int64)
-        page, off = loc_h // bs, loc_h % bs
-        host_k[:, page, off] = k.to(host_k.device, host_k.dtype).transpose(0, 1)
-        host_v[:, page, off] = v.to(host_v.device, host_v.dtype).transpose(0, 1)
+        if write_host:
+            loc_h = loc.to(host_k.device, torch.int64)
+            page, off = loc_h // bs, loc_h % bs
+            host_k[:, page, off] = k.to(host_k.device, host_k.dtype).transpose(0, 1)
+            host_v[:, page, off] = v.to(host_v.device, host_v.dtype).transpose(0, 1)
         kd = k.to(kmin.device, kmin.dtype)
         page_d = torch.div(loc.to(kmin.device, torch.int64), bs, rounding_mode="floor")
         first = (loc.to(kmin.device, torch.int64) % bs) == 0

@@ -123,11 +123,14 @@ class WorkingSet:
         self.k[layer][r, adm.head, adm.entry] = k_blocks.to(self.k[layer].device, self.k[layer].dtype)
         self.v[layer][r, adm.head, adm.entry] = v_blocks.to(self.v[layer].device, self.v[layer].dtype)
 
-    def write_token(self, layer: int, rows: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write-through of newly decoded tokens into their (resident) block's slot.
+    def write_token(self, layer: int, rows: torch.Tensor, pos: torch.Tensor, k: torch.Tensor,
+                    v: torch.Tensor) -> torch.Tensor:
+        """Write newly decoded tokens into their (resident) block's slot.
 
         Args:
             rows, pos: ``[B]`` request rows and token positions. k: ``[B, H, D]``; v: ``[B, H, Dv]``.
+        Returns:
+            ``[B, H]`` int64 slot entry that holds each token's block.
         Raises:
             RuntimeError: the block of a token being decoded is not resident (invariant broken).
         """
@@ -141,3 +144,4 @@ class WorkingSet:
         h = torch.arange(self.H, device=e.device)[None, :].expand_as(e)
         self.k[layer][r, h, e, off] = k.to(self.k[layer].dtype)
         self.v[layer][r, h, e, off] = v.to(self.v[layer].dtype)
+        return e

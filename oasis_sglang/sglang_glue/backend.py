@@ -52,7 +52,7 @@ class OasisAttnBackend(AttentionBackend):
         if k is None or v is None:
             raise RuntimeError("OasisKV: layers without their own K/V (KV sharing) are not supported")
         if save_kv_cache:
-            self.engine.write_kv(layer.layer_id, forward_batch.out_cache_loc, k, v, one_token_each=decode)
+            self.engine.write_kv(layer.layer_id, forward_batch.out_cache_loc, k, v, decode=decode)
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         """Prefill: ``q [T, Hq*D]``, ``k/v [T, H*D]`` -> ``[T, Hq*Dv]``; sparse layers via OasisKV, others via the wrapped backend."""
