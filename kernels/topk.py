@@ -74,8 +74,9 @@ def _score_kernel(Q, Kmin, Kmax, ReqToToken, Rows, SeqLens, Keys,
 
 
 def block_keys(q, kmin, kmax, req_to_token, rows, seq_lens, block_size: int, sink_blocks: int,
-               recent_blocks: int, nb_max: int, block_n: int = 32) -> torch.Tensor:
-    """Selection keys ``[B, H, nb_max]`` int64 (see module docstring). Arguments as ``select_topk``.
+               recent_blocks: int, nb_max: int, block_n: int = 32, num_warps: int = 4) -> torch.Tensor:
+    """Selection keys ``[B, H, nb_max]`` int64 (see module docstring). Arguments as ``select_topk``;
+    ``block_n`` blocks per program and ``num_warps`` are launch parameters (scripts/bench_kernels.py).
 
     Raises:
         AssertionError: shapes, strides or dtypes do not match.
@@ -94,7 +95,7 @@ def block_keys(q, kmin, kmax, req_to_token, rows, seq_lens, block_size: int, sin
     _score_kernel[grid](q, kmin, kmax, req_to_token, rows, seq_lens, keys,
                         q.stride(0), q.stride(1), kmin.stride(0), req_to_token.stride(0),
                         keys.stride(0), keys.stride(1), H, nb_max, sink_blocks, recent_blocks,
-                        G=G, BS=block_size, D=D, BLOCK_N=block_n, BLOCK_D=next_pow2(D), num_warps=4)
+                        G=G, BS=block_size, D=D, BLOCK_N=block_n, BLOCK_D=next_pow2(D), num_warps=num_warps)
     return keys
 
 
@@ -113,7 +114,11 @@ def topk_from_keys(keys: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tens
 
 
 def select_topk(q, kmin, kmax, req_to_token, rows, seq_lens, block_size: int, sink_blocks: int,
-                recent_blocks: int, nb_max: int, k: int):
-    """Triton version of :meth:`TorchKVOps.select_topk` (same arguments and result)."""
-    keys = block_keys(q, kmin, kmax, req_to_token, rows, seq_lens, block_size, sink_blocks, recent_blocks, nb_max)
+                recent_blocks: int, nb_max: int, k: int, **launch):
+    """Triton version of :meth:`TorchKVOps.select_topk` (same arguments and result).
+
+    ``launch``: ``block_n`` / ``num_warps`` for ``block_keys``.
+    """
+    keys = block_keys(q, kmin, kmax, req_to_token, rows, seq_lens, block_size, sink_blocks, recent_blocks, nb_max,
+                      **launch)
     return topk_from_keys(keys, k)

@@ -192,10 +192,19 @@ def main() -> int:
     seq = torch.full((B,), ctx, device="cuda", dtype=torch.int64)
     sbytes = 2 * Pp * H * D * E
     shape = f"{B} req x {ctx // 1024}K ctx x {H} KV heads, 1 layer"
-    ms_topk = add("select_topk (score + top-K)", shape,
-                  lambda: select_topk(qs, smin, smax, rtt, rws, seq, BS, 1, 2, nb, K), sbytes, "hbm")
-    add("  of which block_keys (scoring)", shape, lambda: block_keys(qs, smin, smax, rtt, rws, seq, BS, 1, 2, nb),
-        sbytes, "hbm")
+    sweep = {}
+    for bn, nw in ((16, 2), (16, 4), (32, 4), (32, 8), (64, 4), (64, 8), (128, 8)):
+        t = bench_graph(lambda: block_keys(qs, smin, smax, rtt, rws, seq, BS, 1, 2, nb, block_n=bn, num_warps=nw))
+        sweep[f"block_n={bn},num_warps={nw}"] = t
+    raw["block_keys_sweep_ms"] = sweep
+    print("block_keys launch sweep (GPU ms):", json.dumps(sweep), file=sys.stderr)
+    best = min(sweep, key=sweep.get)
+    launch = dict(kv.split("=") for kv in best.split(","))
+    launch = {k: int(v) for k, v in launch.items()}
+    ms_topk = add("select_topk (score + top-K)", shape + f" ({best})",
+                  lambda: select_topk(qs, smin, smax, rtt, rws, seq, BS, 1, 2, nb, K, **launch), sbytes, "hbm")
+    add("  of which block_keys (scoring)", shape + f" ({best})",
+        lambda: block_keys(qs, smin, smax, rtt, rws, seq, BS, 1, 2, nb, **launch), sbytes, "hbm")
     keys = block_keys(qs, smin, smax, rtt, rws, seq, BS, 1, 2, nb)
     add("  of which torch.topk on the keys", f"[{B}, {H}, {nb}] int64, k={K}", lambda: topk_from_keys(keys, K),
         keys.numel() * 8, "hbm")
