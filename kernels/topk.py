@@ -74,7 +74,7 @@ def _score_kernel(Q, Kmin, Kmax, ReqToToken, Rows, SeqLens, Keys,
 
 
 def block_keys(q, kmin, kmax, req_to_token, rows, seq_lens, block_size: int, sink_blocks: int,
-               recent_blocks: int, nb_max: int, block_n: int = 32, num_warps: int = 4) -> torch.Tensor:
+               recent_blocks: int, nb_max: int, block_n: int = 32, num_warps: int = 8) -> torch.Tensor:
     """Selection keys ``[B, H, nb_max]`` int64 (see module docstring). Arguments as ``select_topk``;
     ``block_n`` blocks per program and ``num_warps`` are launch parameters (scripts/bench_kernels.py).
 
