@@ -1,0 +1,1 @@
+"""Offline evaluation of OasisKV's selection (transformers, CPU): ``sparse_sim``."""
