@@ -55,3 +55,20 @@ def num_sms(device: torch.device) -> int:
     if device.type == "cuda" and not interpreting():
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 4
+
+
+def checks_enabled() -> bool:
+    """``OASIS_KERNEL_CHECKS=1``: validate index ranges before each launch (costs host syncs).
+
+    Off by default: the engine only passes indices it built itself, and a check reads device
+    memory back on every launch. Out-of-range indices are otherwise undefined behaviour (an
+    illegal memory access on the GPU).
+    """
+    return os.environ.get("OASIS_KERNEL_CHECKS", "0") not in ("", "0")
+
+
+def check_range(t: torch.Tensor, lo: int, hi: int, name: str) -> None:
+    """Raise ``IndexError`` naming ``name`` unless every element of ``t`` is in ``[lo, hi)``."""
+    if t.numel() and (int(t.min()) < lo or int(t.max()) >= hi):
+        raise IndexError(f"OasisKV kernels: {name} must lie in [{lo}, {hi}), got values in "
+                         f"[{int(t.min())}, {int(t.max())}]")

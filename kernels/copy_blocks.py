@@ -15,7 +15,7 @@ import triton.language as tl
 
 from oasis_sglang.core.ops import TorchKVOps
 
-from ._common import kernel_arg, next_pow2
+from ._common import check_range, checks_enabled, kernel_arg, next_pow2
 
 reference = TorchKVOps().copy_blocks
 
@@ -44,6 +44,7 @@ def copy_blocks(dst_k, dst_v, dst_idx, src_k, src_v, src_idx) -> None:
     The launch runs on the device of whichever side is on CUDA (the index tensors' device).
     Raises:
         AssertionError: pieces differ in size, views are not contiguous, or index shapes differ.
+        IndexError: with ``OASIS_KERNEL_CHECKS=1``, an index outside its side's pieces.
     """
     M = dst_idx.numel()
     assert src_idx.numel() == M and dst_idx.dim() == src_idx.dim() == 1
@@ -55,7 +56,10 @@ def copy_blocks(dst_k, dst_v, dst_idx, src_k, src_v, src_idx) -> None:
     if M == 0:
         return
     dev = dst_idx.device
-    assert src_idx.device == dev
+    assert src_idx.device == dev, "dst_idx and src_idx must be on the same device"
+    if checks_enabled():
+        check_range(dst_idx, 0, dst_k.shape[0], "dst_idx")
+        check_range(src_idx, 0, src_k.shape[0], "src_idx")
     PK, PV = dst_k.shape[1], dst_v.shape[1]
     _copy_blocks_kernel[(M,)](
         kernel_arg(dst_k, dev), kernel_arg(dst_v, dev), kernel_arg(src_k, dev), kernel_arg(src_v, dev),

@@ -26,7 +26,7 @@ import triton.language as tl
 
 from oasis_sglang.core.ops import TorchKVOps
 
-from ._common import interpreting, next_pow2, num_sms
+from ._common import check_range, checks_enabled, interpreting, next_pow2, num_sms
 
 reference = TorchKVOps().sparse_decode_attention
 
@@ -146,23 +146,29 @@ def sparse_decode_attention(q, ws_k, ws_v, ids, rows, seq_lens, scale: float | N
     per tile (a multiple of ``bs``).
     Raises:
         AssertionError: shapes, strides or dtypes do not match.
+        IndexError: with ``OASIS_KERNEL_CHECKS=1``, a row out of range or an empty context.
     """
     B, NQ, Hq, D = q.shape
     R, H, KS, bs, Dk = ws_k.shape
     Dv = ws_v.shape[-1]
     assert Dk == D and ws_v.shape[:4] == (R, H, KS, bs) and ids.shape == (R, H, KS), (ws_k.shape, ws_v.shape, ids.shape)
-    assert NQ in (1, 2) and Hq % H == 0 and q.stride(3) == 1
+    assert NQ in (1, 2) and Hq % H == 0, f"q must be [B, 1 or 2, Hq, D] with Hq a multiple of H={H}, got {tuple(q.shape)}"
+    assert q.stride(3) == 1, "q needs a unit stride in its last dimension"
     assert ws_k.is_contiguous() and ws_v.is_contiguous() and ids.is_contiguous() and ws_k.dtype == ws_v.dtype
     assert rows.shape == seq_lens.shape == (B,) and rows.device == seq_lens.device == ws_k.device == q.device
     has_extra = k_extra is not None
     if has_extra:
-        assert NQ == 2 and k_extra.shape == (B, H, D) and v_extra.shape == (B, H, Dv)
-        assert k_extra.stride(2) == 1 and v_extra.stride(2) == 1
+        assert NQ == 2, "k_extra / v_extra (the draft token's K/V) need NQ == 2 query rows"
+        assert k_extra.shape == (B, H, D) and v_extra.shape == (B, H, Dv), (k_extra.shape, v_extra.shape)
+        assert k_extra.stride(2) == 1 and v_extra.stride(2) == 1, "k_extra / v_extra need a unit last stride"
     G = Hq // H
     o = torch.empty((B, NQ, Hq, Dv), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, NQ, Hq), dtype=torch.float32, device=q.device)
     if B == 0:
         return o, (lse if return_lse else None)
+    if checks_enabled():
+        check_range(rows, 0, R, "rows")
+        check_range(seq_lens, 1, 1 << 62, "seq_lens")
     block_e = max(1, block_n // bs)
     nsplit = num_splits or choose_splits(B, H, KS, block_e, q.device)
     split_e = triton.cdiv(triton.cdiv(KS, nsplit), block_e) * block_e

@@ -7,7 +7,8 @@ Math (Quest Sec. 3; paper: Methodology, Look-ahead Attention): for query row ``b
     u[b, h, j] = max_g sum_d max(q[b, g, d] * kmin[p, h, d], q[b, g, d] * kmax[p, h, d])
 
 Sink blocks (``j < sink``) and recent blocks (``j >= nblocks - recent``) score ``+inf``; other
-complete blocks their bound; the partial block and blocks past the context ``-inf``.
+complete blocks their bound (NaN as ``-3e38``, infinities clamped to the largest finite float, so
+a forced block always ranks first); the partial block and blocks past the context ``-inf``.
 The kernel writes one int64 key per block: the score's order-preserving 32-bit image in the
 high half and ``2**32 - 1 - j`` in the low half, so all keys are distinct, a larger key means a
 higher score or, on a tie, a lower block id, and ``torch.topk`` on the keys returns exactly the
@@ -25,7 +26,7 @@ import triton.language as tl
 
 from oasis_sglang.core.ops import TorchKVOps
 
-from ._common import next_pow2
+from ._common import check_range, checks_enabled, next_pow2
 
 reference = TorchKVOps().select_topk
 
@@ -65,7 +66,8 @@ def _score_kernel(Q, Kmin, Kmax, ReqToToken, Rows, SeqLens, Keys,
         u = tl.sum(tl.maximum(qv[None, :] * lo, qv[None, :] * hi), axis=1)
         score = tl.maximum(score, u)
     score = score + 0.0                                          # -0.0 -> +0.0
-    score = tl.where(score != score, -3.0e38, score)             # NaN -> lowest finite
+    score = tl.where(score != score, -3.0e38, score)             # NaN -> -3e38, +-inf -> +-FLT_MAX:
+    score = tl.minimum(tl.maximum(score, -3.4028234663852886e38), 3.4028234663852886e38)  # forced stay first
     score = tl.where(forced, float("inf"), tl.where(cand, score, float("-inf")))
     k32 = score.to(tl.int32, bitcast=True)
     k32 = tl.where(k32 < 0, k32 ^ 0x7FFFFFFF, k32)
@@ -80,6 +82,7 @@ def block_keys(q, kmin, kmax, req_to_token, rows, seq_lens, block_size: int, sin
 
     Raises:
         AssertionError: shapes, strides or dtypes do not match.
+        IndexError: with ``OASIS_KERNEL_CHECKS=1``, a row, context length or page out of range.
     """
     B, Hq, D = q.shape
     P, H, Ds = kmin.shape
@@ -91,6 +94,11 @@ def block_keys(q, kmin, kmax, req_to_token, rows, seq_lens, block_size: int, sin
     keys = torch.empty((B, H, nb_max), dtype=torch.int64, device=q.device)
     if B == 0 or nb_max == 0:
         return keys
+    if checks_enabled():
+        check_range(rows, 0, req_to_token.shape[0], "rows")
+        check_range(seq_lens, 0, min(req_to_token.shape[1], nb_max * block_size) + 1, "seq_lens")
+        check_range(req_to_token[rows.long(), :int(seq_lens.max())], 0, P * block_size,
+                    "req_to_token entries of these rows")
     grid = (B * H, triton.cdiv(nb_max, block_n))
     _score_kernel[grid](q, kmin, kmax, req_to_token, rows, seq_lens, keys,
                         q.stride(0), q.stride(1), kmin.stride(0), req_to_token.stride(0),

@@ -22,7 +22,7 @@ import triton.language as tl
 
 from oasis_sglang.core.ops import TorchKVOps
 
-from ._common import kernel_arg, next_pow2
+from ._common import check_range, checks_enabled, kernel_arg, next_pow2
 
 reference = TorchKVOps().write_kv
 
@@ -56,10 +56,15 @@ def _write_kv_kernel(HostK, HostV, Kmin, Kmax, K, V, SegPage, SegOff, SegSrc, Se
     kc = k.to(Kmin.dtype.element_ty).to(tl.float32)
     lo = tl.min(tl.where(m, kc, float("inf")), axis=0)
     hi = tl.max(tl.where(m, kc, float("-inf")), axis=0)
+    nan = tl.max(tl.where(m & (kc != kc), 1, 0), axis=0) > 0     # NaN propagates, as torch.amin does
+    lo = tl.where(nan, float("nan"), lo)
+    hi = tl.where(nan, float("nan"), hi)
     srow = page * stride_s_p + h * D + d
     cont = dm & (off0 > 0)          # continuing a block: fold into its current summary
-    lo = tl.minimum(lo, tl.load(Kmin + srow, mask=cont, other=float("inf")).to(tl.float32))
-    hi = tl.maximum(hi, tl.load(Kmax + srow, mask=cont, other=float("-inf")).to(tl.float32))
+    lo = tl.minimum(lo, tl.load(Kmin + srow, mask=cont, other=float("inf")).to(tl.float32),
+                    propagate_nan=tl.PropagateNan.ALL)
+    hi = tl.maximum(hi, tl.load(Kmax + srow, mask=cont, other=float("-inf")).to(tl.float32),
+                    propagate_nan=tl.PropagateNan.ALL)
     tl.store(Kmin + srow, lo.to(Kmin.dtype.element_ty), mask=dm)
     tl.store(Kmax + srow, hi.to(Kmax.dtype.element_ty), mask=dm)
 
@@ -91,6 +96,7 @@ def write_kv(host_k, host_v, kmin, kmax, loc, k, v, block_size: int, one_token_e
     ``one_token_each=True`` when each token is in its own block (decode batches: no sync).
     Raises:
         AssertionError: shapes, strides or dtypes do not match the layouts.
+        IndexError: with ``OASIS_KERNEL_CHECKS=1``, a location outside the host tier.
     """
     H, P, bs, D = host_k.shape
     Dv = host_v.shape[-1]
@@ -99,9 +105,11 @@ def write_kv(host_k, host_v, kmin, kmax, loc, k, v, block_size: int, one_token_e
     assert host_k.is_contiguous() and host_v.is_contiguous() and kmin.is_contiguous() and kmax.is_contiguous()
     assert kmin.shape == kmax.shape == (P, H, D) and kmin.dtype == kmax.dtype
     assert k.shape == (N, H, D) and v.shape == (N, H, Dv), (k.shape, v.shape, N)
-    assert k.stride(2) == 1 and v.stride(2) == 1
+    assert k.stride(2) == 1 and v.stride(2) == 1, "k and v need a unit stride in their last dimension"
     if N == 0:
         return
+    if checks_enabled():
+        check_range(loc, 0, P * bs, "loc (token locations)")
     dev = kmin.device
     page, off, src, length = segments(loc.to(dev), bs, one_token_each)
     grid = (page.numel(), H)

@@ -106,6 +106,7 @@ class OasisConfig:
         Raises:
             OasisConfigError: ``kernels="triton"`` on a device other than CUDA.
         """
+        device_type = str(device_type).split(":")[0]
         if self.kernels == "auto":
             return "triton" if device_type == "cuda" else "torch"
         if self.kernels == "triton" and device_type != "cuda":

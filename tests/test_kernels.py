@@ -4,6 +4,8 @@ On a CPU host the kernels run under the Triton interpreter (``TRITON_INTERPRET=1
 before the kernels are imported); on a CUDA host the same tests run the compiled kernels on the
 GPU (marker ``gpu``). Exact for copies, summaries and top-K sets; a tolerance table for
 attention. Random inputs are fresh every run (the ``seed`` fixture prints the seed).
+The Triton 3.6 interpreter truncates fp32 -> bf16 instead of rounding to nearest, so the CPU runs
+keep source and destination dtypes equal where results are compared exactly.
 """
 
 import os
@@ -259,3 +261,53 @@ def test_engine_triton_ops_equal_torch_ops(seed):
             locs = rtt[r, :n].long().cpu()
             hk, hv = e.host.read_tokens(0, locs)
             assert torch.equal(hk, truth_k[locs]) and torch.equal(hv, truth_v[locs])
+
+
+# ---- bad and extreme inputs -------------------------------------------------------------------
+def test_infinite_and_nan_scores_never_displace_forced_blocks(seed):
+    """+inf / NaN in the query: candidates are clamped, so sink and recent blocks stay first,
+    the kernel's ``forced`` flags equal the reference's, and decode keeps its current block."""
+    bs = 8
+    lens = [200, 77]
+    args, nb_max = _topk_case(lens, bs, H=2, G=2, D=16, integer=True)
+    q = args[0].clone()
+    q[0, :, 0] = float("inf")
+    q[1, 1, 3] = float("nan")
+    args[0] = q
+    got = select_topk(*args, bs, 1, 2, nb_max, 6)
+    want = REF.select_topk(*args, bs, 1, 2, nb_max, 6)
+    assert torch.equal(got[0].cpu(), want[0].cpu()) and torch.equal(got[1].cpu(), want[1].cpu())
+    seq = args[5].cpu()
+    for b in range(2):
+        last = (int(seq[b]) - 1) // bs
+        assert (got[0][b].cpu() == last).any(-1).all() and (got[0][b].cpu() == 0).any(-1).all()
+
+
+def test_nan_keys_give_the_same_summaries(seed):
+    H, D, bs, P = 1, 4, 8, 3
+    hk, hv = host_tensor((H, P, bs, D), torch.float32), host_tensor((H, P, bs, D), torch.float32)
+    kmin, kmax = torch.zeros(P, H, D, device=DEV), torch.zeros(P, H, D, device=DEV)
+    ref = [t.clone() for t in (hk, hv, kmin, kmax)]
+    k = torch.randn(3, H, D, device=DEV)
+    k[0, 0, 0] = float("nan")
+    for i in range(3):      # NaN first, then folded tokens
+        loc = torch.tensor([8 + i], device=DEV)
+        write_kv(hk, hv, kmin, kmax, loc, k[i:i + 1], k[i:i + 1], bs, one_token_each=True)
+        REF.write_kv(*ref, loc, k[i:i + 1], k[i:i + 1], bs)
+    for got, want in ((kmin, ref[2]), (kmax, ref[3])):
+        torch.testing.assert_close(got.cpu(), want.cpu(), rtol=0, atol=0, equal_nan=True)
+    assert torch.isnan(kmin[1, 0, 0]) and not torch.isnan(kmin[1, 0, 1])
+
+
+def test_index_checks_name_the_argument(monkeypatch):
+    monkeypatch.setenv("OASIS_KERNEL_CHECKS", "1")
+    hk, hv = host_tensor((1, 4, 8, 4), torch.float32), host_tensor((1, 4, 8, 4), torch.float32)
+    kmin = torch.zeros(4, 1, 4, device=DEV)
+    k = torch.randn(2, 1, 4, device=DEV)
+    with pytest.raises(IndexError, match="loc"):
+        write_kv(hk, hv, kmin, kmin.clone(), torch.tensor([3, 32], device=DEV), k, k, 8)
+    dst = torch.zeros(4, 8, device=DEV)
+    with pytest.raises(IndexError, match="dst_idx"):
+        copy_blocks(dst, dst.clone(), torch.tensor([0, -1], device=DEV), dst.clone(), dst.clone(), torch.tensor([0, 1], device=DEV))
+    with pytest.raises(IndexError, match="src_idx"):
+        copy_blocks(dst, dst.clone(), torch.tensor([0, 1], device=DEV), dst.clone(), dst.clone(), torch.tensor([0, 4], device=DEV))

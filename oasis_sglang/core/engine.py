@@ -166,6 +166,8 @@ class OasisSparseKV:
         """
         li = self.index[layer_id]
         cfg, bs, ops = self.cfg, self.bs, self.ops
+        if q.shape[0] == 0:
+            return q.new_empty((0, q.shape[1], self.v_head_dim))
         if li == 0:
             self._step += 1
             self.stats.decode_steps += 1
