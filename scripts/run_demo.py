@@ -28,7 +28,7 @@ def main() -> int:
     p.add_argument("--budget", type=int, default=512, help="OasisKV budget_tokens (default 512)")
     p.add_argument("--block-size", type=int, default=8,
                    help="OasisKV block_size (default 8: SmolLM2's head_dim is 64, see docs/benchmarks.md)")
-    p.add_argument("--port", type=int, default=30500)
+    p.add_argument("--port", type=int, default=0, help="server port (default 0: a free port)")
     p.add_argument("--no-dense", action="store_true", help="skip the dense comparison run")
     p.add_argument("--out", type=Path, default=ROOT / "out" / "demo")
     a = p.parse_args()

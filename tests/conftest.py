@@ -4,6 +4,12 @@ import random
 import pytest
 import torch
 
+# Kernel tests on a host without CUDA run the Triton kernels interpreted. Triton reads this flag
+# when it decorates functions, its own library included, so it must be set before anything
+# imports triton (SGLang does); servers started by the tests get it removed (launch.py).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 @pytest.fixture
 def seed():

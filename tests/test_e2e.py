@@ -20,7 +20,7 @@ import requests
 
 from oasis_sglang import needle
 from oasis_sglang.models import essay_texts, prepare_smollm2
-from oasis_sglang.sglang_glue.launch import base_args, launch, oasis_args, parse_residency
+from oasis_sglang.sglang_glue.launch import base_args, free_port, launch, oasis_args, parse_residency
 
 pytestmark = pytest.mark.e2e
 OUT = Path(os.environ.get("OASIS_TEST_OUT", Path(__file__).resolve().parents[1] / "out" / "tests"))
@@ -51,14 +51,14 @@ def _server(model, port, extra, name):
 
 @pytest.fixture(scope="module")
 def dense(model):
-    srv = _server(model, 31210, [], "dense")
+    srv = _server(model, 0, [], "dense")
     yield srv
     srv.stop()
 
 
 @pytest.fixture(scope="module")
 def oasis_full(model):
-    srv = _server(model, 31211, oasis_args(budget_tokens=4096, kernels="torch"), "oasis_full")
+    srv = _server(model, 0, oasis_args(budget_tokens=4096, kernels="torch"), "oasis_full")
     yield srv
     srv.stop()
 
@@ -69,14 +69,14 @@ def oasis_full_triton(model):
 
     if not torch.cuda.is_available():
         pytest.skip("the Triton kernels serve only on CUDA (tests/test_kernels.py runs them interpreted)")
-    srv = _server(model, 31213, oasis_args(budget_tokens=4096, kernels="triton"), "oasis_full_triton")
+    srv = _server(model, 0, oasis_args(budget_tokens=4096, kernels="triton"), "oasis_full_triton")
     yield srv
     srv.stop()
 
 
 @pytest.fixture(scope="module")
 def oasis_512(model):
-    srv = _server(model, 31212, oasis_args(**NEEDLE_CFG), "oasis_512")
+    srv = _server(model, 0, oasis_args(**NEEDLE_CFG), "oasis_512")
     yield srv
     srv.stop()
 
@@ -175,8 +175,9 @@ def test_overlong_prompt_gets_400_and_server_keeps_serving(oasis_512, tok):
 ])
 def test_bad_flags_fail_at_startup_naming_the_key(model, extra, needle_text):
     args = [a for a in base_args() if a not in ("--attention-backend", "torch_native")] if "--attention-backend" in extra else base_args()
-    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--port", "31299", *args, *extra]
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--port", str(free_port()), *args, *extra]
     env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)
     if "cpu" in args:
         env["SGLANG_USE_CPU_ENGINE"] = "1"
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)

@@ -71,14 +71,40 @@ class Server:
             self._log.close()
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (the OS picks it)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def check_port_free(port: int) -> None:
+    """Raise ``OSError`` naming ``port`` when something already listens there.
+
+    SGLang's launcher only polls the URL, so a server already on the port would be taken for
+    the new one (whose own bind then fails in its log).
+    """
+    import socket
+
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError as e:
+            raise OSError(f"port {port} on 127.0.0.1 is already in use ({e.strerror}); stop that server "
+                          f"or choose another port") from None
+
+
 def launch(model: str, port: int, args: list[str], log_path: Path, timeout: float = 600,
            echo: bool = True) -> Server:
     """Start an SGLang server (``sglang serve``) and wait until it serves.
 
     The server's output goes to ``log_path``; with ``echo`` (default) also to this process's
-    stdout/stderr, as SGLang's launcher does.
+    stdout/stderr, as SGLang's launcher does. ``port`` 0 picks a free port.
 
     Raises:
+        OSError: ``port`` is already in use.
         Exception: from ``popen_launch_server`` when the server does not come up in ``timeout`` s
             (its log is in ``log_path``).
     """
@@ -86,9 +112,12 @@ def launch(model: str, port: int, args: list[str], log_path: Path, timeout: floa
 
     import sys
 
+    port = port or free_port()
+    check_port_free(port)
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)     # set for the kernel tests on CPU; servers run compiled Triton
     # popen_launch_server runs the `sglang` console script: use this interpreter's
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
     import shutil
