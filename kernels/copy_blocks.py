@@ -1,7 +1,7 @@
 """Kernel 4: copy (KV head, block) pieces between the host tier and the working set.
 
 H2D gather (admissions) and D2H write-back in one launch per layer for K and V: program ``i``
-copies piece ``src[src_idx[i]]`` to ``dst[dst_idx[i]]`` (``bs * D`` contiguous elements,
+copies piece ``src[src_idx[i]]`` to ``dst[dst_idx[i]]`` unless ``dst_idx[i] < 0`` (``bs * D`` contiguous elements,
 4 KiB for bs=16, D=128, bf16). On CUDA the host side is mapped pinned memory read or written by
 the kernel itself (zero-copy), so thousands of 4 KiB pieces move at link speed in one launch
 instead of one ``cudaMemcpyAsync`` each. Bytes: ``M * bs * (D + Dv) * e`` each way.
@@ -26,14 +26,15 @@ def _copy_blocks_kernel(DstK, DstV, SrcK, SrcV, DstIdx, SrcIdx, PK: tl.constexpr
     i = tl.program_id(0)
     di = tl.load(DstIdx + i).to(tl.int64)
     si = tl.load(SrcIdx + i).to(tl.int64)
+    live = di >= 0                  # dead entries of a fixed-size admission list move nothing
     for o in tl.static_range(0, PK, BLOCK_K):
         offs = o + tl.arange(0, BLOCK_K)
-        m = offs < PK
+        m = (offs < PK) & live
         x = tl.load(SrcK + si * PK + offs, mask=m)
         tl.store(DstK + di * PK + offs, x.to(DstK.dtype.element_ty), mask=m)
     for o in tl.static_range(0, PV, BLOCK_V):
         offs = o + tl.arange(0, BLOCK_V)
-        m = offs < PV
+        m = (offs < PV) & live
         x = tl.load(SrcV + si * PV + offs, mask=m)
         tl.store(DstV + di * PV + offs, x.to(DstV.dtype.element_ty), mask=m)
 
@@ -58,8 +59,9 @@ def copy_blocks(dst_k, dst_v, dst_idx, src_k, src_v, src_idx) -> None:
     dev = dst_idx.device
     assert src_idx.device == dev, "dst_idx and src_idx must be on the same device"
     if checks_enabled():
-        check_range(dst_idx, 0, dst_k.shape[0], "dst_idx")
-        check_range(src_idx, 0, src_k.shape[0], "src_idx")
+        live = dst_idx >= 0
+        check_range(dst_idx[live], 0, dst_k.shape[0], "dst_idx")
+        check_range(src_idx[live], 0, src_k.shape[0], "src_idx")
     PK, PV = dst_k.shape[1], dst_v.shape[1]
     _copy_blocks_kernel[(M,)](
         kernel_arg(dst_k, dev), kernel_arg(dst_v, dev), kernel_arg(src_k, dev), kernel_arg(src_v, dev),

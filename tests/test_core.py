@@ -100,6 +100,8 @@ def test_working_set_plan_invariants(seed, cap):
         before = ws.ids[0][rows].clone()
         lru_before = ws.last_used[0][rows].clone()
         adm = ws.plan(0, rows, wanted, forced, step, cap)
+        a_batch, a_head, a_entry, a_block = adm.sparse()
+        assert int(adm.mask.sum()) == a_block.numel() and int(adm.evicted) <= a_block.numel()
         after = ws.ids[0][rows]
         _check_table(ws, 0, rows)
         for b in range(2):
@@ -109,10 +111,10 @@ def test_working_set_plan_invariants(seed, cap):
                 held = set(after[b, h].tolist()) - {-1}
                 assert f <= held, "sink/recent blocks must be resident"
                 assert len(held) <= K
-                sel = (adm.batch == b) & (adm.head == h)
-                admitted = adm.block[sel].tolist()
+                sel = (a_batch == b) & (a_head == h)
+                admitted = a_block[sel].tolist()
                 assert set(admitted) <= w and not (set(admitted) & set(before[b, h].tolist()))
-                evicting = [e for e in adm.entry[sel].tolist() if before[b, h, e] >= 0]
+                evicting = [e for e in a_entry[sel].tolist() if before[b, h, e] >= 0]
                 victims = [int(before[b, h, e]) for e in evicting]
                 assert not (set(victims) & w), "only blocks outside the prediction are evicted"
                 n_forced_adm = len(set(admitted) & f)
@@ -180,7 +182,7 @@ def test_sparse_equals_dense_when_working_set_covers_context(seed, dtype):
         t = 45 + i
         ref = decode_attention(Q[t], K[: t + 1], V[: t + 1], None)
         assert torch.equal(o, ref), f"step {i}"
-    assert eng.stats.evicted_blocks == 0
+    assert eng.residency()["evicted_blocks"] == 0
 
 
 def test_sparse_attends_exactly_the_resident_blocks(seed):
@@ -209,7 +211,7 @@ def test_sparse_attends_exactly_the_resident_blocks(seed):
                 page = int(rt[3, b * 4]) // 4
                 valid = min(4, n - b * 4)
                 assert torch.equal(eng.ws.k[li][3, h, e, :valid], eng.host.k[li][h, page, :valid])
-    assert eng.stats.evicted_blocks > 0
+    assert eng.residency()["evicted_blocks"] > 0
 
 
 def test_reset_rows_frees_everything(seed):

@@ -213,9 +213,11 @@ def test_copy_blocks_exact(seed, direction):
     else:
         src, dst = (dev_k, dev_v), (host_k, host_v)
         si, di = torch.randint(0, Nd, (M,)), torch.randperm(Ns)[:M]
+    di[torch.rand(M) < 0.25] = -1                                   # dead entries move nothing
+    live = di >= 0
     want_k, want_v = dst[0].clone().cpu(), dst[1].clone().cpu()
-    want_k[di] = src[0].cpu()[si]
-    want_v[di] = src[1].cpu()[si]
+    want_k[di[live]] = src[0].cpu()[si[live]]
+    want_v[di[live]] = src[1].cpu()[si[live]]
     copy_blocks(dst[0], dst[1], di.to(DEV), src[0], src[1], si.to(DEV))
     if CUDA:
         torch.cuda.synchronize()
@@ -308,6 +310,6 @@ def test_index_checks_name_the_argument(monkeypatch):
         write_kv(hk, hv, kmin, kmin.clone(), torch.tensor([3, 32], device=DEV), k, k, 8)
     dst = torch.zeros(4, 8, device=DEV)
     with pytest.raises(IndexError, match="dst_idx"):
-        copy_blocks(dst, dst.clone(), torch.tensor([0, -1], device=DEV), dst.clone(), dst.clone(), torch.tensor([0, 1], device=DEV))
+        copy_blocks(dst, dst.clone(), torch.tensor([0, 4], device=DEV), dst.clone(), dst.clone(), torch.tensor([0, 1], device=DEV))
     with pytest.raises(IndexError, match="src_idx"):
         copy_blocks(dst, dst.clone(), torch.tensor([0, 1], device=DEV), dst.clone(), dst.clone(), torch.tensor([0, 4], device=DEV))

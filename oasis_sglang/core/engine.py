@@ -81,6 +81,8 @@ class OasisSparseKV:
         self.summaries = KeySummaries(L, num_pages, head_num, head_dim, dtype, self.device)
         self.ws = WorkingSet(L, num_rows, head_num, cfg.budget_blocks, self.bs, head_dim, v_head_dim, dtype, self.device)
         self.stats = OasisStats()
+        # hits, admitted, evicted, written-back blocks: device counters, read only when reporting
+        self._counters = torch.zeros(4, dtype=torch.int64, device=self.device)
         self._step = 0
         self._fresh_rows: set[int] = set(range(num_rows))   # rows whose next decode starts a request
         self._block_bytes = self.bs * (head_dim + v_head_dim) * torch.empty((), dtype=dtype).element_size()
@@ -155,12 +157,14 @@ class OasisSparseKV:
     # ---- decode ---------------------------------------------------------------------------
     def decode_attention(self, layer_id: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                          rows: torch.Tensor, seq_lens: torch.Tensor, req_to_token: torch.Tensor,
-                         scale: float | None) -> torch.Tensor:
+                         scale: float | None, max_seq_len: int | None = None) -> torch.Tensor:
         """Decode of a sparse layer (one new token per request, already written by ``write_kv``).
 
         Args:
             q: ``[B, Hq, D]``. k_new: ``[B, H, D]``, v_new: ``[B, H, Dv]`` the new tokens.
             rows: ``[B]`` request rows. seq_lens: ``[B]`` context lengths including the new token.
+            max_seq_len: ``max(seq_lens)`` when the caller knows it on the host (SGLang's
+                ``seq_lens_cpu``); otherwise it is read from the device (a sync).
         Returns:
             ``[B, Hq, Dv]``.
         """
@@ -174,28 +178,23 @@ class OasisSparseKV:
         rows_d = rows.to(self.device, torch.int64)
         seq = seq_lens.to(self.device, torch.int64)
         # 3. score and select (summaries of complete blocks were folded in by write_kv)
-        nb_max = -(-int(seq.max()) // bs)
+        nb_max = -(-(max_seq_len if max_seq_len is not None else int(seq.max())) // bs)
         rtt = req_to_token if req_to_token.device == self.device else req_to_token.to(self.device)
         wanted, forced = ops.select_topk(q.view(q.shape[0], -1, self.head_dim), self.summaries.kmin[li],
                                          self.summaries.kmax[li], rtt, rows_d, seq, bs, cfg.sink_blocks,
                                          cfg.recent_blocks, nb_max, cfg.budget_blocks)
-        # 4. admissions from the host tier
+        # 4. admissions from the host tier: fixed-size lists, dead entries skipped (no host sync)
         adm = self.ws.plan(li, rows_d, wanted, forced, self._step, cfg.fetch_cap)
-        n_adm = int(adm.block.numel())
-        if n_adm:
-            r = rows_d[adm.batch]
-            page_of = torch.div(rtt[r, adm.block * bs].long(), bs, rounding_mode="floor")
-            H, K, P = self.head_num, cfg.budget_blocks, self.host.num_pages
-            ws_k, ws_v = self.ws.k[li], self.ws.v[li]
-            hk, hv = self.host.k[li], self.host.v[li]
-            ops.copy_blocks(ws_k.view(-1, bs * self.head_dim), ws_v.view(-1, bs * self.v_head_dim),
-                            (r * H + adm.head) * K + adm.entry,
-                            hk.view(-1, bs * self.head_dim), hv.view(-1, bs * self.v_head_dim),
-                            (adm.head * P + page_of).to(self.device))
-        self.stats.admitted_blocks += n_adm
-        self.stats.evicted_blocks += adm.evicted
-        self.stats.hit_blocks += adm.hits
-        self.stats.bytes_h2d += n_adm * self._block_bytes
+        H, K, P = self.head_num, cfg.budget_blocks, self.host.num_pages
+        h = torch.arange(H, device=self.device)[None, :, None]
+        r = rows_d[:, None, None]
+        blk = adm.block.clamp(min=0)
+        page_of = torch.div(rtt[r, blk * bs].long(), bs, rounding_mode="floor")
+        dst = torch.where(adm.mask, (r * H + h) * K + adm.entry, -1).reshape(-1)
+        ops.copy_blocks(self.ws.k[li].view(-1, bs * self.head_dim), self.ws.v[li].view(-1, bs * self.v_head_dim), dst,
+                        self.host.k[li].view(-1, bs * self.head_dim), self.host.v[li].view(-1, bs * self.v_head_dim),
+                        (h * P + page_of).reshape(-1))
+        self._counters += torch.stack([adm.hits, adm.mask.sum(), adm.evicted, adm.hits.new_zeros(())])
         # 5. the new token into its resident block; completed blocks written back to the host tier
         entry = self.ws.write_token(li, rows_d, seq - 1, k_new, v_new)
         self._write_back(li, rows_d, seq, entry, rtt)
@@ -214,20 +213,18 @@ class OasisSparseKV:
 
     def _write_back(self, li: int, rows: torch.Tensor, seq: torch.Tensor, entry: torch.Tensor,
                     req_to_token: torch.Tensor) -> None:
-        """Copy the blocks completed by this step's tokens from the working set to the host tier."""
-        done = torch.nonzero(seq % self.bs == 0).squeeze(1)
-        if done.numel() == 0:
-            return
+        """Copy the blocks completed by this step's tokens from the working set to the host tier
+        (one piece per request and KV head; requests whose block is not complete move nothing)."""
         bs, H, K, P = self.bs, self.head_num, self.cfg.budget_blocks, self.host.num_pages
-        r = rows[done]
-        page = torch.div(req_to_token[r, seq[done] - 1].long(), bs, rounding_mode="floor")
-        h = torch.arange(H, device=r.device)
-        src = ((r[:, None] * H + h) * K + entry[done]).reshape(-1)
-        dst = (h * P + page[:, None]).reshape(-1)
+        done = (seq % bs == 0)[:, None]                                   # [B, 1]
+        page = torch.div(req_to_token[rows, seq - 1].long(), bs, rounding_mode="floor")
+        h = torch.arange(H, device=rows.device)
+        src = ((rows[:, None] * H + h) * K + entry).reshape(-1)
+        dst = torch.where(done, h * P + page[:, None], -1).reshape(-1)
         self.ops.copy_blocks(self.host.k[li].view(-1, bs * self.head_dim), self.host.v[li].view(-1, bs * self.v_head_dim),
                              dst, self.ws.k[li].view(-1, bs * self.head_dim), self.ws.v[li].view(-1, bs * self.v_head_dim),
                              src)
-        self.stats.bytes_d2h += int(src.numel()) * self._block_bytes
+        self._counters[3] += done.sum() * H
 
     # ---- lifecycle and reporting ----------------------------------------------------------
     def reset_rows(self, rows) -> None:
@@ -236,8 +233,10 @@ class OasisSparseKV:
         self._fresh_rows.update(int(r) for r in rows)
 
     def residency(self) -> dict:
-        """KV residency of the last decode step and memory sizes (bytes)."""
+        """KV residency of the last decode step and memory sizes (bytes). Reads the device counters."""
         s = self.stats
+        s.hit_blocks, s.admitted_blocks, s.evicted_blocks, wb = (int(x) for x in self._counters.tolist())
+        s.bytes_h2d, s.bytes_d2h = s.admitted_blocks * self._block_bytes, wb * self._block_bytes
         return {
             "context_tokens": list(s.last_context_tokens),
             "device_working_set_tokens": list(s.last_resident_tokens),

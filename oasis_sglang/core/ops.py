@@ -80,7 +80,8 @@ class BaseKVOps:
         Args:
             dst_k / src_k: ``[Nd, bs*D]`` / ``[Ns, bs*D]`` views (``dst_v`` / ``src_v`` with ``Dv``);
                 either side may be host memory (H2D gather into the working set, or D2H write-back).
-            dst_idx / src_idx: ``[M]`` int64 piece indices. ``dst_idx`` must be distinct.
+            dst_idx / src_idx: ``[M]`` int64 piece indices. Entries with ``dst_idx < 0`` are
+                skipped (fixed-size, sync-free admission lists); the others must be distinct.
         """
         raise NotImplementedError
 
@@ -135,6 +136,8 @@ class TorchKVOps(BaseKVOps):
                              sink_blocks, recent_blocks)
 
     def copy_blocks(self, dst_k, dst_v, dst_idx, src_k, src_v, src_idx):
+        live = dst_idx >= 0
+        dst_idx, src_idx = dst_idx[live], src_idx[live]
         if dst_idx.numel() == 0:
             return
         si = src_idx.to(src_k.device, torch.int64)

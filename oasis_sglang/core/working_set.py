@@ -17,14 +17,25 @@ import torch
 
 @dataclass
 class Admission:
-    """Blocks to bring in for one layer: parallel ``[M]`` int64 tensors."""
+    """Blocks to bring in for one layer, dense and fixed-size so no host sync is needed.
 
-    batch: torch.Tensor   # index into the batch
-    head: torch.Tensor    # KV head
-    entry: torch.Tensor   # slot entry in [0, K)
-    block: torch.Tensor   # logical block id
-    evicted: int          # admissions that replaced a resident block
-    hits: int             # wanted blocks already resident (no traffic)
+    For batch entry ``b`` and KV head ``h``, admission ``i`` is live where ``mask[b, h, i]``:
+    logical block ``block[b, h, i]`` goes into slot entry ``entry[b, h, i]``. All ``[B, H, K]``
+    (``mask`` bool, the others int64; dead entries hold arbitrary values). ``evicted`` and
+    ``hits`` are 0-dim int64 device tensors: admissions that replaced a resident block, and
+    wanted blocks already resident (no traffic).
+    """
+
+    mask: torch.Tensor
+    entry: torch.Tensor
+    block: torch.Tensor
+    evicted: torch.Tensor
+    hits: torch.Tensor
+
+    def sparse(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The live admissions as parallel ``[M]`` tensors ``(batch, head, entry, block)`` (syncs)."""
+        b, h, i = torch.nonzero(self.mask, as_tuple=True)
+        return b, h, self.entry[b, h, i], self.block[b, h, i]
 
 
 class WorkingSet:
@@ -75,6 +86,7 @@ class WorkingSet:
             step: monotonically increasing step counter (LRU clock).
         Returns:
             The admissions to copy in (``Admission``); the table already points at them.
+            Runs without host synchronisation.
         """
         ids = self.ids[layer]
         held = ids[rows]                                            # [B, H, K]
@@ -101,27 +113,19 @@ class WorkingSet:
         dest_order = torch.sort(dkey, dim=-1, stable=True).indices
         src_order = torch.sort((~admitted).to(torch.int8), dim=-1, stable=True).indices
         i = torch.arange(K, device=held.device)[None, None, :]
-        pair = i < n_admit                                          # [B, H, K]
-        blocks = torch.gather(wanted, -1, src_order)
-        b, h, e = torch.nonzero(pair, as_tuple=True)
-        dest = dest_order[b, h, e]
-        was_free = free[b, h, dest]
-        new_held = held.clone()
-        new_held[b, h, dest] = blocks[b, h, e]
+        pair = i < n_admit                                          # [B, H, K] live admissions
+        blocks = torch.gather(wanted, -1, src_order)                # admitted blocks first, in priority order
+        was_free = torch.gather(free, -1, dest_order)
+        # scatter the live admissions into their slots (dead ones into a spare column K)
+        new_held = torch.cat([held, held[..., :1]], -1)
+        new_held.scatter_(-1, torch.where(pair, dest_order, K), torch.where(pair, blocks, -1))
+        new_held = new_held[..., :K]
         # LRU clock: every slot whose block is wanted this step is "used" now
         used = ((new_held[..., :, None] == wanted[..., None, :]) & valid_w[..., None, :]).any(-1) & (new_held >= 0)
         ids[rows] = new_held
         self.last_used[layer][rows] = torch.where(used, torch.full_like(held, step), self.last_used[layer][rows])
-        return Admission(batch=b, head=h, entry=dest, block=blocks[b, h, e],
-                         evicted=int((~was_free).sum()), hits=int(in_held.sum()))
-
-    def load(self, layer: int, rows: torch.Tensor, adm: Admission, k_blocks: torch.Tensor, v_blocks: torch.Tensor) -> None:
-        """Copy admitted blocks (``k_blocks [M, bs, D]``, ``v_blocks [M, bs, Dv]``) into their slots."""
-        if adm.block.numel() == 0:
-            return
-        r = rows[adm.batch]
-        self.k[layer][r, adm.head, adm.entry] = k_blocks.to(self.k[layer].device, self.k[layer].dtype)
-        self.v[layer][r, adm.head, adm.entry] = v_blocks.to(self.v[layer].device, self.v[layer].dtype)
+        return Admission(mask=pair, entry=dest_order, block=blocks,
+                         evicted=(pair & ~was_free).sum(), hits=in_held.sum())
 
     def write_token(self, layer: int, rows: torch.Tensor, pos: torch.Tensor, k: torch.Tensor,
                     v: torch.Tensor) -> torch.Tensor:

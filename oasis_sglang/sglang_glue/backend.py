@@ -76,7 +76,7 @@ class OasisAttnBackend(AttentionBackend):
         o = self.engine.decode_attention(
             layer.layer_id, q.view(-1, layer.tp_q_head_num, layer.qk_head_dim), k.view(-1, H, layer.qk_head_dim),
             v.view(-1, H, layer.v_head_dim), forward_batch.req_pool_indices, forward_batch.seq_lens,
-            self.req_to_token_pool.req_to_token, layer.scaling)
+            self.req_to_token_pool.req_to_token, layer.scaling, _max_seq_len(forward_batch))
         if layer.layer_id == self.last_sparse_layer:
             self._maybe_log()
         return o.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
@@ -86,6 +86,12 @@ class OasisAttnBackend(AttentionBackend):
         s = self.engine.stats
         if s.new_request_started or s.decode_steps % self.log_interval == 0:
             logger.info(format_residency(self.engine.residency()))
+
+
+def _max_seq_len(forward_batch) -> int | None:
+    """``max(seq_lens)`` from SGLang's host copy of the lengths, when the batch carries one."""
+    cpu = getattr(forward_batch, "seq_lens_cpu", None)
+    return int(cpu.max()) if cpu is not None and cpu.numel() else None
 
 
 def format_residency(r: dict) -> str:
