@@ -240,3 +240,18 @@ def test_memory_plan_matches_allocation(seed):
     plan = OasisSparseKV.memory_plan(cfg, 3, 512, 4, 2, 8, 8, 4)
     eng = OasisSparseKV(cfg, 3, 512, 4, 2, 8, 8, torch.float32, "cpu")
     assert plan == {"working_set": eng.ws.nbytes, "summaries": eng.summaries.nbytes, "host_tier": eng.host.nbytes}
+
+
+def test_write_token_never_writes_a_block_that_is_not_resident(seed):
+    ws = WorkingSet(1, 2, 2, 4, 4, 8, 8, torch.float32, "cpu")
+    ws.ids[0, 1] = torch.tensor([[0, 5, -1, -1], [5, 0, -1, -1]])
+    before_k = ws.k[0].clone()
+    rows, pos = torch.tensor([1]), torch.tensor([21])                # block 5: resident on both heads
+    ws.write_token(0, rows, pos, torch.ones(1, 2, 8), torch.ones(1, 2, 8))
+    ws.check()
+    assert ws.k[0][1, 0, 1, 1].eq(1).all() and ws.k[0][1, 1, 0, 1].eq(1).all()
+    ws.write_token(0, rows, torch.tensor([9]), torch.full((1, 2, 8), 7.0), torch.ones(1, 2, 8))   # block 2: absent
+    assert not (ws.k[0] == 7).any(), "a token whose block is not resident must not be written"
+    with pytest.raises(RuntimeError, match="not resident"):
+        ws.check()
+    assert before_k.shape == ws.k[0].shape

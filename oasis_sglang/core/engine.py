@@ -233,7 +233,12 @@ class OasisSparseKV:
         self._fresh_rows.update(int(r) for r in rows)
 
     def residency(self) -> dict:
-        """KV residency of the last decode step and memory sizes (bytes). Reads the device counters."""
+        """KV residency of the last decode step and memory sizes (bytes). Reads the device counters.
+
+        Raises:
+            RuntimeError: a decoded token found its block not resident (``WorkingSet.check``).
+        """
+        self.ws.check()
         s = self.stats
         s.hit_blocks, s.admitted_blocks, s.evicted_blocks, wb = (int(x) for x in self._counters.tolist())
         s.bytes_h2d, s.bytes_d2h = s.admitted_blocks * self._block_bytes, wb * self._block_bytes

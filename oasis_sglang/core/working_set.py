@@ -55,6 +55,13 @@ class WorkingSet:
         self.v = [torch.zeros(shape + (v_head_dim,), dtype=dtype, device=device) for _ in range(num_layers)]
         self.ids = torch.full((num_layers, num_rows, head_num, budget_blocks), -1, dtype=torch.int64, device=device)
         self.last_used = torch.zeros_like(self.ids)
+        self.violations = torch.zeros((), dtype=torch.int64, device=device)
+
+    def check(self) -> None:
+        """Raise ``RuntimeError`` if a decoded token ever found its block not resident (syncs)."""
+        n = int(self.violations)
+        if n:
+            raise RuntimeError(f"OasisKV invariant: {n} decoded token(s) found their block not resident")
 
     @property
     def nbytes(self) -> int:
@@ -135,17 +142,19 @@ class WorkingSet:
             rows, pos: ``[B]`` request rows and token positions. k: ``[B, H, D]``; v: ``[B, H, Dv]``.
         Returns:
             ``[B, H]`` int64 slot entry that holds each token's block.
-        Raises:
-            RuntimeError: the block of a token being decoded is not resident (invariant broken).
+        A token whose block is not resident (invariant broken) is not written anywhere and is
+        counted in ``violations`` (a device counter; ``check()`` raises on it), so the check
+        costs no host synchronisation.
         """
         blk = (pos // self.bs)[:, None, None]
         hit = self.ids[layer][rows] == blk                          # [B, H, K]
-        if not bool(hit.any(-1).all()):
-            raise RuntimeError("OasisKV invariant: the block being decoded is not resident")
+        ok = hit.any(-1)                                            # [B, H]; False breaks the invariant
+        self.violations += (~ok).sum()                              # checked on the host later: no sync here
         e = hit.long().argmax(-1)                                   # [B, H]
         off = (pos % self.bs)[:, None].expand_as(e)
         r = rows[:, None].expand_as(e)
         h = torch.arange(self.H, device=e.device)[None, :].expand_as(e)
-        self.k[layer][r, h, e, off] = k.to(self.k[layer].dtype)
-        self.v[layer][r, h, e, off] = v.to(self.v[layer].dtype)
+        wk, wv = self.k[layer], self.v[layer]
+        wk[r, h, e, off] = torch.where(ok[..., None], k.to(wk.dtype), wk[r, h, e, off])   # never a wrong slot
+        wv[r, h, e, off] = torch.where(ok[..., None], v.to(wv.dtype), wv[r, h, e, off])
         return e
