@@ -65,7 +65,6 @@ def main() -> int:
     tok = AutoTokenizer.from_pretrained(folder)
     name = sparse_sim.register()
     model = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32, attn_implementation=name).eval()
-    n_layers = model.config.num_hidden_layers
     T, N = a.prefix + a.decode_steps, a.decode_steps
     docs = windows(tok, T, a.docs)
     runs = [(b, p) for b in a.budgets for p in a.predictors]

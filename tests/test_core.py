@@ -10,7 +10,7 @@ from oasis_sglang.core import OasisSparseKV
 from oasis_sglang.core.attention import decode_attention
 from oasis_sglang.core.host_tier import HostTier
 from oasis_sglang.core.selection import quest_scores, select_blocks
-from oasis_sglang.core.summaries import block_minmax
+from oasis_sglang.core.ops import TorchKVOps
 from oasis_sglang.core.working_set import WorkingSet
 
 
@@ -19,7 +19,8 @@ def test_host_tier_layout_and_roundtrip(seed):
     ht = HostTier(2, P, bs, H, D, Dv, torch.float32)
     loc = torch.randperm(P * bs)[:17]
     k, v = torch.randn(17, H, D), torch.randn(17, H, Dv)
-    ht.write(1, loc, k, v)
+    kmin, kmax = torch.zeros(P, H, D), torch.zeros(P, H, D)
+    TorchKVOps().write_kv(ht.k[1], ht.v[1], kmin, kmax, loc, k, v, bs)
     # layout: k[layer][head, block, offset, :]
     for i, l in enumerate(loc.tolist()):
         for h in range(H):
@@ -28,17 +29,6 @@ def test_host_tier_layout_and_roundtrip(seed):
     k2, v2 = ht.read_tokens(1, loc)
     assert torch.equal(k2, k) and torch.equal(v2, v)
     assert ht.k[0].abs().sum() == 0  # other layer untouched
-    kb, _ = ht.read_blocks(1, torch.tensor([2, 0]), torch.tensor([3, 7]))
-    assert torch.equal(kb[0], ht.k[1][2, 3]) and torch.equal(kb[1], ht.k[1][0, 7])
-
-
-def test_block_minmax_exact(seed):
-    keys = torch.randn(5, 16, 7).to(torch.bfloat16)
-    lo, hi = block_minmax(keys)
-    for b in range(5):
-        for d in range(7):
-            col = keys[b, :, d].tolist()
-            assert lo[b, d].item() == min(col) and hi[b, d].item() == max(col)
 
 
 def test_quest_bound_is_an_upper_bound(seed):

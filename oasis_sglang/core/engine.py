@@ -43,7 +43,6 @@ class OasisStats:
     evicted_blocks: int = 0
     bytes_h2d: int = 0
     bytes_d2h: int = 0
-    last_rows: list = field(default_factory=list)
     new_request_started: bool = False
     last_context_tokens: list = field(default_factory=list)
     last_resident_tokens: list = field(default_factory=list)
@@ -204,7 +203,6 @@ class OasisSparseKV:
             rows_c = rows_d.tolist()
             self.stats.new_request_started = bool(self._fresh_rows.intersection(rows_c))
             self._fresh_rows.difference_update(rows_c)
-            self.stats.last_rows = rows_c
             self.stats.last_context_tokens = seq.tolist()
             ids0 = self.ws.ids[li][rows_d, 0]                                    # [B, K], KV head 0
             held = (seq[:, None] - ids0 * bs).clamp(0, bs) * (ids0 >= 0)

@@ -42,33 +42,9 @@ class HostTier:
         """Host bytes of all K and V buffers."""
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
-    def write(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store new tokens.
-
-        Args:
-            layer: sparse-layer index.
-            loc: ``[N]`` int64 token locations (any device).
-            k: ``[N, H, D]``; v: ``[N, H, Dv]`` (any device; cast to the tier dtype).
-        """
-        assert k.dim() == 3 and k.shape[1:] == (self.head_num, self.head_dim), k.shape
-        assert v.shape[1:] == (self.head_num, self.v_head_dim) and v.shape[0] == k.shape[0] == loc.numel()
-        loc = loc.to("cpu", torch.int64)
-        page, off = loc // self.block_size, loc % self.block_size
-        self.k[layer][:, page, off] = k.to("cpu", self.dtype).transpose(0, 1)
-        self.v[layer][:, page, off] = v.to("cpu", self.dtype).transpose(0, 1)
-
     def read_tokens(self, layer: int, loc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Gather tokens by location: returns ``(k [n, H, D], v [n, H, Dv])`` on the CPU."""
         loc = loc.to("cpu", torch.int64)
         page, off = loc // self.block_size, loc % self.block_size
         return (self.k[layer][:, page, off].transpose(0, 1).contiguous(),
                 self.v[layer][:, page, off].transpose(0, 1).contiguous())
-
-    def read_blocks(self, layer: int, heads: torch.Tensor, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Gather (KV head, block) pieces: returns ``(k [M, bs, D], v [M, bs, Dv])`` on the CPU.
-
-        Args:
-            heads, pages: ``[M]`` int64 KV-head and block indices.
-        """
-        heads, pages = heads.to("cpu", torch.int64), pages.to("cpu", torch.int64)
-        return self.k[layer][heads, pages], self.v[layer][heads, pages]

@@ -13,17 +13,6 @@ from __future__ import annotations
 import torch
 
 
-def block_minmax(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Coordinate-wise min and max over the token axis.
-
-    Args:
-        keys: ``[..., bs, D]``.
-    Returns:
-        ``(kmin, kmax)``, each ``[..., D]`` in the input dtype (exact: no rounding).
-    """
-    return keys.amin(dim=-2), keys.amax(dim=-2)
-
-
 class KeySummaries:
     """Device store of block summaries of the sparse layers: ``kmin/kmax[L][P, H, D]``.
 

@@ -74,10 +74,6 @@ class WorkingSet:
         self.ids[:, rows] = -1
         self.last_used[:, rows] = 0
 
-    def resident_blocks(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
-        """``[B, H]`` number of occupied slots per (request, KV head)."""
-        return (self.ids[layer][rows] >= 0).sum(-1)
-
     def plan(self, layer: int, rows: torch.Tensor, wanted: torch.Tensor, forced: torch.Tensor,
              step: int, fetch_cap: int | None) -> Admission:
         """Decide admissions and evictions for one layer and update the block table.
