@@ -13,6 +13,9 @@ a partial output and LSE. Stage 2: one program per (request, row, query head) me
 (``[K * bs, D]``), so tiles are coalesced; free slots are masked and never read.
 Bytes: the resident tokens' K and V (``<= B * H * K * bs * (D + Dv) * e``). FLOPs:
 ``4 * B * NQ * Hq * n * D`` for ``n`` resident tokens.
+Sources: split-K decoding with an LSE merge is Flash-Decoding (Dao et al., 2023); loading a KV
+tile once for a GQA group follows SGLang's ``kernels/ops/attention/decode_attention.py``
+(``_fwd_grouped_kernel_stage1``); head-wise working sets are the paper's Methodology.
 Reference: ``oasis_sglang.core.ops.TorchKVOps.sparse_decode_attention``.
 """
 
