@@ -29,6 +29,7 @@ class MappedHost:
         self.t, self.dtype = t, t.dtype
 
     def data_ptr(self) -> int:
+        """Host address of the pinned buffer (also its device address under UVA)."""
         return self.t.data_ptr()
 
 

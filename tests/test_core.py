@@ -235,7 +235,6 @@ def test_memory_plan_matches_allocation(seed):
 def test_write_token_never_writes_a_block_that_is_not_resident(seed):
     ws = WorkingSet(1, 2, 2, 4, 4, 8, 8, torch.float32, "cpu")
     ws.ids[0, 1] = torch.tensor([[0, 5, -1, -1], [5, 0, -1, -1]])
-    before_k = ws.k[0].clone()
     rows, pos = torch.tensor([1]), torch.tensor([21])                # block 5: resident on both heads
     ws.write_token(0, rows, pos, torch.ones(1, 2, 8), torch.ones(1, 2, 8))
     ws.check()
@@ -244,4 +243,3 @@ def test_write_token_never_writes_a_block_that_is_not_resident(seed):
     assert not (ws.k[0] == 7).any(), "a token whose block is not resident must not be written"
     with pytest.raises(RuntimeError, match="not resident"):
         ws.check()
-    assert before_k.shape == ws.k[0].shape

@@ -38,11 +38,6 @@ class OasisStats:
     """Counters since start (blocks are (KV head, block) pieces of one layer)."""
 
     decode_steps: int = 0
-    hit_blocks: int = 0
-    admitted_blocks: int = 0
-    evicted_blocks: int = 0
-    bytes_h2d: int = 0
-    bytes_d2h: int = 0
     new_request_started: bool = False
     last_context_tokens: list = field(default_factory=list)
     last_resident_tokens: list = field(default_factory=list)
@@ -238,8 +233,7 @@ class OasisSparseKV:
         """
         self.ws.check()
         s = self.stats
-        s.hit_blocks, s.admitted_blocks, s.evicted_blocks, wb = (int(x) for x in self._counters.tolist())
-        s.bytes_h2d, s.bytes_d2h = s.admitted_blocks * self._block_bytes, wb * self._block_bytes
+        hits, admitted, evicted, written_back = (int(x) for x in self._counters.tolist())
         return {
             "context_tokens": list(s.last_context_tokens),
             "device_working_set_tokens": list(s.last_resident_tokens),
@@ -249,9 +243,9 @@ class OasisSparseKV:
             "summary_bytes": self.summaries.nbytes,
             "host_tier_bytes": self.host.nbytes,
             "decode_steps": s.decode_steps,
-            "hit_blocks": s.hit_blocks,
-            "admitted_blocks": s.admitted_blocks,
-            "evicted_blocks": s.evicted_blocks,
-            "bytes_h2d": s.bytes_h2d,
-            "bytes_d2h": s.bytes_d2h,
+            "hit_blocks": hits,
+            "admitted_blocks": admitted,
+            "evicted_blocks": evicted,
+            "bytes_h2d": admitted * self._block_bytes,
+            "bytes_d2h": written_back * self._block_bytes,
         }

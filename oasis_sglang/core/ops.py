@@ -111,6 +111,7 @@ class TorchKVOps(BaseKVOps):
     name = "torch"
 
     def write_kv(self, host_k, host_v, kmin, kmax, loc, k, v, block_size, one_token_each=False, write_host=True):
+        """Reference: host-tier scatter by location, then ``scatter_reduce`` amin/amax into the summaries."""
         H, P, bs, D = host_k.shape
         assert bs == block_size and k.shape[1:] == (H, D) and v.shape[0] == k.shape[0] == loc.numel()
         if write_host:
@@ -129,6 +130,7 @@ class TorchKVOps(BaseKVOps):
 
     def select_topk(self, q, kmin, kmax, req_to_token, rows, seq_lens, block_size, sink_blocks,
                     recent_blocks, nb_max, k):
+        """Reference: ``quest_scores`` over the gathered summaries, then ``select_blocks`` (stable sort)."""
         seq = seq_lens.to(kmin.device, torch.int64)
         pages = block_pages(req_to_token, rows, nb_max, block_size).to(kmin.device)
         scores = quest_scores(q, kmin[pages], kmax[pages])
@@ -136,6 +138,7 @@ class TorchKVOps(BaseKVOps):
                              sink_blocks, recent_blocks)
 
     def copy_blocks(self, dst_k, dst_v, dst_idx, src_k, src_v, src_idx):
+        """Reference: indexed copy of the live pieces (boolean mask: syncs; the kernel does not)."""
         live = dst_idx >= 0
         dst_idx, src_idx = dst_idx[live], src_idx[live]
         if dst_idx.numel() == 0:
@@ -147,6 +150,7 @@ class TorchKVOps(BaseKVOps):
 
     def sparse_decode_attention(self, q, ws_k, ws_v, ids, rows, seq_lens, scale, k_extra=None,
                                 v_extra=None, return_lse=False):
+        """Reference: per request, ``gather_working_set`` + SDPA (bitwise SGLang torch_native); LSE by ``logsumexp``."""
         B, NQ, Hq, D = q.shape
         bs = ws_k.shape[3]
         o = q.new_empty((B, NQ, Hq, ws_v.shape[-1]))
