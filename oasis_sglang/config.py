@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 MAX_BUDGET_TOKENS = 1 << 20   # beyond any context SGLang serves; the model check is tighter
 KERNEL_CHOICES = ("auto", "triton", "torch")
+PREDICTOR_CHOICES = ("auto", "lookahead", "previous", "current")   # core.prefetch.PREDICTORS + auto
 
 
 class OasisConfigError(ValueError):
@@ -46,6 +47,14 @@ class OasisConfig:
         kernels: implementation of the OasisKV operations: ``"triton"`` (the kernels in
             ``oasis_sglang.kernels``; CUDA only), ``"torch"`` (the references in
             ``core.ops``) or ``"auto"`` (triton on CUDA, torch otherwise). Default "auto".
+        predictor: which query predicts the next step's working set (``core.prefetch``):
+            ``"lookahead"`` (the speculative draft token's query; needs
+            ``--speculative-algorithm``), ``"previous"`` (this step's query), ``"current"``
+            (synchronous, on the critical path) or ``"auto"`` (lookahead with a draft, else
+            previous). Default "auto".
+        measure_agreement: also score each step's own query and record, per layer, how much of
+            its top-K the prediction held (costs the synchronous scoring; measurement only).
+            Default false.
 
     Raises:
         OasisConfigError: on any invalid value, naming the key.
@@ -58,6 +67,8 @@ class OasisConfig:
     recent_blocks: int = 2
     dense_layers: tuple[int, ...] = field(default=(0, 1))
     kernels: str = "auto"
+    predictor: str = "auto"
+    measure_agreement: bool = False
 
     def __post_init__(self) -> None:
         for key in ("budget_tokens", "block_size", "sink_blocks", "recent_blocks"):
@@ -99,6 +110,27 @@ class OasisConfig:
         if self.kernels not in KERNEL_CHOICES:
             raise OasisConfigError(
                 f"kv_sparse_config: 'kernels' must be one of {list(KERNEL_CHOICES)}, got {self.kernels!r}")
+        if self.predictor not in PREDICTOR_CHOICES:
+            raise OasisConfigError(
+                f"kv_sparse_config: 'predictor' must be one of {list(PREDICTOR_CHOICES)}, got {self.predictor!r}")
+        if not isinstance(self.measure_agreement, bool):
+            raise OasisConfigError(
+                f"kv_sparse_config: 'measure_agreement' must be true or false, got {self.measure_agreement!r}")
+
+    def predictor_for(self, has_draft: bool) -> str:
+        """The predictor name for a server with (``has_draft``) or without speculative decoding.
+
+        Raises:
+            OasisConfigError: ``predictor="lookahead"`` without a draft source.
+        """
+        if self.predictor == "auto":
+            return "lookahead" if has_draft else "previous"
+        if self.predictor == "lookahead" and not has_draft:
+            raise OasisConfigError(
+                "kv_sparse_config: 'predictor' is \"lookahead\" but no draft runs beside the normal "
+                "token; add --speculative-algorithm EAGLE3 (or NGRAM) --speculative-num-steps 1 "
+                "--speculative-eagle-topk 1 --speculative-num-draft-tokens 2, or use \"previous\"")
+        return self.predictor
 
     def kernel_backend(self, device_type: str) -> str:
         """The ops backend for a device type (``"cuda"``, ``"cpu"``): resolves ``"auto"``.

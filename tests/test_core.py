@@ -121,9 +121,10 @@ def test_working_set_plan_invariants(seed, cap):
     assert (ws.ids == -1).all(), "everything freed when the requests end"
 
 
-def _engine(budget, bs=4, layers=3, H=2, D=8, rows=4, tokens=512, dense=(0,), fetch_cap=None, dtype=torch.float32):
+def _engine(budget, bs=4, layers=3, H=2, D=8, rows=4, tokens=512, dense=(0,), fetch_cap=None, dtype=torch.float32,
+            predictor="current"):
     cfg = OasisConfig(budget_tokens=budget, block_size=bs, sink_blocks=1, recent_blocks=2,
-                      dense_layers=dense, fetch_cap=fetch_cap)
+                      dense_layers=dense, fetch_cap=fetch_cap, predictor=predictor)
     return OasisSparseKV(cfg, layers, tokens, rows, H, D, D, dtype, "cpu")
 
 
@@ -162,10 +163,11 @@ def test_prefill_equals_dense_causal_attention(seed):
     torch.testing.assert_close(pre, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("predictor", ["current", "previous"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_sparse_equals_dense_when_working_set_covers_context(seed, dtype):
+def test_sparse_equals_dense_when_working_set_covers_context(seed, dtype, predictor):
     """budget >= context: every decode output is bitwise the dense attention over all tokens."""
-    eng = _engine(budget=128, dtype=dtype)
+    eng = _engine(budget=128, dtype=dtype, predictor=predictor)
     rt = torch.zeros(4, 256, dtype=torch.int32)
     _, outs, Q, K, V = _run_request(eng, 2, 1, 45, 30, 6, rt, _paged_locs(75), dtype)
     for i, o in enumerate(outs):
@@ -213,16 +215,15 @@ def test_reset_rows_frees_everything(seed):
     assert (eng.ws.ids == -1).all()
 
 
-def test_first_decode_step_of_a_request_is_flagged(seed):
+def test_first_decode_step_after_a_prefill_is_flagged(seed):
     eng = _engine(budget=16)
     rt = torch.zeros(4, 256, dtype=torch.int32)
     _run_request(eng, 1, 2, 20, 1, 6, rt, _paged_locs(21))
     assert eng.stats.new_request_started        # first decode of row 2
-    _run_request(eng, 1, 2, 20, 1, 6, rt, _paged_locs(21))
-    assert not eng.stats.new_request_started    # same row, no reset: the request goes on
-    eng.reset_rows([2])
-    _run_request(eng, 1, 2, 20, 1, 6, rt, _paged_locs(21))
-    assert eng.stats.new_request_started        # row freed and reused: a new request
+    H, D = eng.head_num, eng.head_dim
+    eng.decode_attention(1, torch.randn(1, 6, D), torch.randn(1, H, D), torch.randn(1, H, D), torch.tensor([2]),
+                         torch.tensor([22]), rt, None)
+    assert not eng.stats.new_request_started    # no prefill since: the request goes on
 
 
 def test_memory_plan_matches_allocation(seed):

@@ -21,7 +21,7 @@ over the new tokens plus any cached prefix read back from the host tier.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -29,6 +29,7 @@ from ..config import OasisConfig
 from . import attention as attn
 from .host_tier import HostTier
 from .ops import BaseKVOps, TorchKVOps
+from .prefetch import PrefetchPipeline, get_predictor
 from .summaries import KeySummaries
 from .working_set import WorkingSet
 
@@ -38,9 +39,8 @@ class OasisStats:
     """Counters since start (blocks are (KV head, block) pieces of one layer)."""
 
     decode_steps: int = 0
-    new_request_started: bool = False
-    last_context_tokens: list = field(default_factory=list)
-    last_resident_tokens: list = field(default_factory=list)
+    sync_steps: int = 0              # steps that selected synchronously although the predictor is async
+    new_request_started: bool = False  # a prefill ran since the previous decode step
 
 
 class OasisSparseKV:
@@ -55,14 +55,19 @@ class OasisSparseKV:
         device: where the working set and summaries live.
         ops: the kernels (``core.ops.BaseKVOps``); default the torch references. The glue
             passes ``oasis_sglang.kernels.get_kv_ops("triton")`` on CUDA.
+        predictor: ``core.prefetch`` predictor name; default ``cfg.predictor`` (``"auto"``:
+            ``"previous"``; the glue resolves it with ``cfg.predictor_for``).
     Raises:
         OasisConfigError: a dense layer index is out of range.
     """
 
     def __init__(self, cfg: OasisConfig, num_layers: int, num_tokens: int, num_rows: int,
                  head_num: int, head_dim: int, v_head_dim: int, dtype: torch.dtype,
-                 device: torch.device | str, ops: BaseKVOps | None = None):
+                 device: torch.device | str, ops: BaseKVOps | None = None, predictor: str | None = None):
         cfg.check_model(num_layers)
+        if predictor is None:
+            predictor = "previous" if cfg.predictor == "auto" else cfg.predictor
+        self.predictor = get_predictor(predictor)
         self.ops = ops if ops is not None else TorchKVOps()
         self.cfg, self.device, self.bs = cfg, torch.device(device), cfg.block_size
         self.head_num, self.head_dim, self.v_head_dim = head_num, head_dim, v_head_dim
@@ -75,10 +80,21 @@ class OasisSparseKV:
         self.summaries = KeySummaries(L, num_pages, head_num, head_dim, dtype, self.device)
         self.ws = WorkingSet(L, num_rows, head_num, cfg.budget_blocks, self.bs, head_dim, v_head_dim, dtype, self.device)
         self.stats = OasisStats()
-        # hits, admitted, evicted, written-back blocks: device counters, read only when reporting
-        self._counters = torch.zeros(4, dtype=torch.int64, device=self.device)
+        # hits, admitted (copied), evicted, written-back blocks per sparse layer: device counters,
+        # read only when reporting; one row per layer so a layer's prefetch stream and the
+        # compute stream never update the same element concurrently
+        self._counters = torch.zeros((L, 4), dtype=torch.int64, device=self.device)
         self._step = 0
-        self._fresh_rows: set[int] = set(range(num_rows))   # rows whose next decode starts a request
+        self._last_li = L                  # layer order wraps -> a new decode step begins
+        self._sync_step = True
+        self._prefilled = False
+        self._last_batch = None            # (rows, seq) device tensors of the last step, read when reporting
+        self.pipe = PrefetchPipeline(L, self.device)
+        # context length each row's working set was last predicted for, per layer (-1: none)
+        self._pred_seq = torch.full((L, num_rows), -1, dtype=torch.int64, device=self.device)
+        self._agreement = torch.zeros((L, 2), dtype=torch.int64, device=self.device)   # [hits, true blocks]
+        self._pred_wanted = (torch.full((L, num_rows, head_num, cfg.budget_blocks), -1, dtype=torch.int64,
+                                        device=self.device) if cfg.measure_agreement else None)
         self._block_bytes = self.bs * (head_dim + v_head_dim) * torch.empty((), dtype=dtype).element_size()
 
     @staticmethod
@@ -111,6 +127,7 @@ class OasisSparseKV:
         complete (4 KiB pieces instead of 256 B ones; the partial block is always resident).
         """
         li = self.index[layer_id]
+        self.pipe.wait(li)       # a prefetch of this layer may still read the summaries / host tier
         s = self.summaries
         self.ops.write_kv(self.host.k[li], self.host.v[li], s.kmin[li], s.kmax[li], loc,
                           k.view(-1, self.head_num, self.head_dim), v.view(-1, self.head_num, self.v_head_dim),
@@ -146,12 +163,23 @@ class OasisSparseKV:
                     k, v = torch.cat([kp.to(k.device, k.dtype), k]), torch.cat([vp.to(v.device, v.dtype), v])
             out[start:start + ext] = attn.prefill_attention(q[start:start + ext], k.to(q.device), v.to(q.device), pre, scale)
             start += ext
+        self._prefilled = True
+        if self.predictor.asynchronous and len(ext_c):
+            # the first decode step's working set, predicted from the last prompt token's query
+            last = torch.tensor(ext_c, device=self.device).cumsum(0) - 1
+            seq_next = torch.tensor([p + e + 1 for p, e in zip(pre_c, ext_c)], device=self.device)
+            rtt = req_to_token if req_to_token.device == self.device else req_to_token.to(self.device)
+            self.pipe.wait(li)
+            self._issue_prefetch(li, q[last].view(len(ext_c), -1, self.head_dim), rows.to(self.device, torch.int64),
+                                 seq_next, rtt, -(-max(p + e + 1 for p, e in zip(pre_c, ext_c)) // self.bs))
         return out
 
     # ---- decode ---------------------------------------------------------------------------
     def decode_attention(self, layer_id: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                          rows: torch.Tensor, seq_lens: torch.Tensor, req_to_token: torch.Tensor,
-                         scale: float | None, max_seq_len: int | None = None) -> torch.Tensor:
+                         scale: float | None, max_seq_len: int | None = None,
+                         q_draft: torch.Tensor | None = None, k_draft: torch.Tensor | None = None,
+                         v_draft: torch.Tensor | None = None) -> torch.Tensor:
         """Decode of a sparse layer (one new token per request, already written by ``write_kv``).
 
         Args:
@@ -159,50 +187,123 @@ class OasisSparseKV:
             rows: ``[B]`` request rows. seq_lens: ``[B]`` context lengths including the new token.
             max_seq_len: ``max(seq_lens)`` when the caller knows it on the host (SGLang's
                 ``seq_lens_cpu``); otherwise it is read from the device (a sync).
+            q_draft, k_draft, v_draft: the paired draft row (``[B, Hq, D]``, ``[B, H, D/Dv]``)
+                at position ``seq_lens``: it attends over the same working set plus the new
+                token and itself; its K/V are never written (a probe). Its query feeds the
+                ``lookahead`` predictor.
         Returns:
-            ``[B, Hq, Dv]``.
+            ``[B, Hq, Dv]``, or ``[B, 2, Hq, Dv]`` (normal row, draft row) with a draft row.
+
+        With an asynchronous predictor the working set was prefetched by the previous step (or
+        the prefill); this layer only waits for its transfer event. A step whose rows were not
+        all predicted for exactly this context (read once per step at its first sparse layer)
+        selects synchronously with the current query instead.
         """
         li = self.index[layer_id]
-        cfg, bs, ops = self.cfg, self.bs, self.ops
-        if q.shape[0] == 0:
-            return q.new_empty((0, q.shape[1], self.v_head_dim))
-        if li == 0:
-            self._step += 1
-            self.stats.decode_steps += 1
+        cfg, bs = self.cfg, self.bs
+        B = q.shape[0]
+        if B == 0:
+            return q.new_empty((0, q.shape[1], self.v_head_dim) if q_draft is None else (0, 2, q.shape[1], self.v_head_dim))
         rows_d = rows.to(self.device, torch.int64)
         seq = seq_lens.to(self.device, torch.int64)
-        # 3. score and select (summaries of complete blocks were folded in by write_kv)
-        nb_max = -(-(max_seq_len if max_seq_len is not None else int(seq.max())) // bs)
+        max_seq = max_seq_len if max_seq_len is not None else int(seq.max())
+        nb_max = -(-max_seq // bs)
         rtt = req_to_token if req_to_token.device == self.device else req_to_token.to(self.device)
-        wanted, forced = ops.select_topk(q.view(q.shape[0], -1, self.head_dim), self.summaries.kmin[li],
-                                         self.summaries.kmax[li], rtt, rows_d, seq, bs, cfg.sink_blocks,
-                                         cfg.recent_blocks, nb_max, cfg.budget_blocks)
-        # 4. admissions from the host tier: fixed-size lists, dead entries skipped (no host sync)
-        adm = self.ws.plan(li, rows_d, wanted, forced, self._step, cfg.fetch_cap)
-        H, K, P = self.head_num, cfg.budget_blocks, self.host.num_pages
-        h = torch.arange(H, device=self.device)[None, :, None]
-        r = rows_d[:, None, None]
-        blk = adm.block.clamp(min=0)
-        page_of = torch.div(rtt[r, blk * bs].long(), bs, rounding_mode="floor")
-        dst = torch.where(adm.mask, (r * H + h) * K + adm.entry, -1).reshape(-1)
-        ops.copy_blocks(self.ws.k[li].view(-1, bs * self.head_dim), self.ws.v[li].view(-1, bs * self.v_head_dim), dst,
-                        self.host.k[li].view(-1, bs * self.head_dim), self.host.v[li].view(-1, bs * self.v_head_dim),
-                        (h * P + page_of).reshape(-1))
-        self._counters += torch.stack([adm.hits, adm.mask.sum(), adm.evicted, adm.hits.new_zeros(())])
+        if li <= self._last_li:
+            self._begin_step(li, rows_d, seq)
+        self._last_li = li
+        self.pipe.wait(li)
+        qv = q.view(B, -1, self.head_dim)
+        if not self.predictor.asynchronous or self._sync_step:
+            # 3.-4. score with this step's query, select and bring missing blocks in
+            wanted, forced = self._predict(li, qv, rows_d, seq, rtt, nb_max)
+            self._select_transfer(li, rows_d, seq, rtt, wanted, forced, self._step)
+        elif cfg.measure_agreement:
+            self._measure_agreement(li, qv, rows_d, seq, rtt, nb_max)
         # 5. the new token into its resident block; completed blocks written back to the host tier
         entry = self.ws.write_token(li, rows_d, seq - 1, k_new, v_new)
         self._write_back(li, rows_d, seq, entry, rtt)
-        out, _ = ops.sparse_decode_attention(q.view(q.shape[0], 1, q.shape[1], q.shape[2]), self.ws.k[li],
-                                             self.ws.v[li], self.ws.ids[li], rows_d, seq, scale)
-        if li == 0:
-            rows_c = rows_d.tolist()
-            self.stats.new_request_started = bool(self._fresh_rows.intersection(rows_c))
-            self._fresh_rows.difference_update(rows_c)
-            self.stats.last_context_tokens = seq.tolist()
-            ids0 = self.ws.ids[li][rows_d, 0]                                    # [B, K], KV head 0
-            held = (seq[:, None] - ids0 * bs).clamp(0, bs) * (ids0 >= 0)
-            self.stats.last_resident_tokens = held.sum(-1).tolist()
-        return out.view(q.shape[0], q.shape[1], self.v_head_dim)
+        if q_draft is None:
+            qq, kx, vx = q.view(B, 1, q.shape[1], q.shape[2]), None, None
+        else:
+            qq = torch.stack([q.view(B, q.shape[1], q.shape[2]), q_draft.view(B, q.shape[1], q.shape[2])], 1)
+            kx = k_draft.view(B, self.head_num, self.head_dim)
+            vx = v_draft.view(B, self.head_num, self.v_head_dim)
+        out, _ = self.ops.sparse_decode_attention(qq, self.ws.k[li], self.ws.v[li], self.ws.ids[li], rows_d, seq,
+                                                  scale, k_extra=kx, v_extra=vx)
+        if self.predictor.asynchronous:
+            qd = None if q_draft is None else q_draft.view(B, -1, self.head_dim)
+            self._issue_prefetch(li, self.predictor.query(qv, qd), rows_d, seq + 1, rtt, -(-(max_seq + 1) // bs))
+        if q_draft is None:
+            return out.view(B, q.shape[1], self.v_head_dim)
+        return out
+
+    def _begin_step(self, li: int, rows: torch.Tensor, seq: torch.Tensor) -> None:
+        """Host bookkeeping at the first sparse layer of a decode step (one host read at most)."""
+        self._step += 1
+        s = self.stats
+        s.decode_steps += 1
+        s.new_request_started, self._prefilled = self._prefilled, False
+        self._last_batch = (rows, seq)
+        if self.predictor.asynchronous:
+            # every row must have been predicted for exactly this context; otherwise this step
+            # selects synchronously (e.g. a request resumed with another length)
+            self._sync_step = bool((self._pred_seq[li][rows] != seq).any())
+            s.sync_steps += int(self._sync_step)
+
+    def _predict(self, li, q, rows, seq, rtt, nb_max):
+        """Stage (a): Quest scores of ``q [B, Hq, D]`` and the top-K per (request, KV head) for a
+        step whose context is ``seq [B]`` tokens. Returns ``(wanted, forced)`` ``[B, H, K]``."""
+        s, cfg = self.summaries, self.cfg
+        return self.ops.select_topk(q, s.kmin[li], s.kmax[li], rtt, rows, seq, self.bs, cfg.sink_blocks,
+                                    cfg.recent_blocks, nb_max, cfg.budget_blocks)
+
+    def _select_transfer(self, li, rows, seq, rtt, wanted, forced, step):
+        """Stages (b) and (c): plan admissions against the resident set (capped eviction) and copy
+        the admitted blocks from the host tier into their slots, for a step of context ``seq``.
+
+        A block with no token before the step's new one (it starts at ``seq - 1``) is admitted
+        without a copy: the new token is its first."""
+        adm = self._select(li, rows, wanted, forced, step)
+        self._transfer(li, rows, seq, rtt, adm)
+
+    def _select(self, li, rows, wanted, forced, step):
+        if self.cfg.measure_agreement:
+            self._pred_wanted[li][rows] = torch.where(forced, -1, wanted)
+        return self.ws.plan(li, rows, wanted, forced, step, self.cfg.fetch_cap)
+
+    def _transfer(self, li, rows, seq, rtt, adm):
+        bs, H, K, P = self.bs, self.head_num, self.cfg.budget_blocks, self.host.num_pages
+        h = torch.arange(H, device=self.device)[None, :, None]
+        r = rows[:, None, None]
+        blk = adm.block.clamp(min=0)
+        live = adm.mask & (blk * bs < (seq - 1)[:, None, None])
+        page_of = torch.div(rtt[r, (blk * bs).clamp(max=rtt.shape[1] - 1)].long(), bs, rounding_mode="floor")
+        dst = torch.where(live, (r * H + h) * K + adm.entry, -1).reshape(-1)
+        self.ops.copy_blocks(self.ws.k[li].view(-1, bs * self.head_dim), self.ws.v[li].view(-1, bs * self.v_head_dim), dst,
+                             self.host.k[li].view(-1, bs * self.head_dim), self.host.v[li].view(-1, bs * self.v_head_dim),
+                             (h * P + page_of).reshape(-1))
+        self._counters[li, :3] += torch.stack([adm.hits, live.sum(), adm.evicted])
+        return dst
+
+    def _issue_prefetch(self, li, q, rows, seq_next, rtt, nb_max_next) -> None:
+        """Queue predict -> select -> transfer of layer ``li`` for the next step (context
+        ``seq_next``) on the pipeline's streams, after the work queued so far."""
+        self._pred_seq[li][rows] = seq_next          # intent, on the compute stream (read by _begin_step)
+        step = self._step + 1
+        self.pipe.launch(li, (
+            lambda _: self._predict(li, q, rows, seq_next, rtt, nb_max_next),
+            lambda wf: self._select(li, rows, wf[0], wf[1], step),
+            lambda adm: self._transfer(li, rows, seq_next, rtt, adm),
+        ), keep=(q, rows, seq_next, rtt))
+
+    def _measure_agreement(self, li, q, rows, seq, rtt, nb_max) -> None:
+        """Measurement mode: |predicted top-K ∩ this step's own top-K| over the non-forced blocks."""
+        wanted, forced = self._predict(li, q, rows, seq, rtt, nb_max)
+        true = torch.where(forced, -1, wanted)                              # [B, H, K]
+        pred = self._pred_wanted[li][rows]
+        hit = ((true[..., :, None] == pred[..., None, :]) & (pred >= 0)[..., None, :]).any(-1) & (true >= 0)
+        self._agreement[li] += torch.stack([hit.sum(), (true >= 0).sum()])
 
     def _write_back(self, li: int, rows: torch.Tensor, seq: torch.Tensor, entry: torch.Tensor,
                     req_to_token: torch.Tensor) -> None:
@@ -217,13 +318,17 @@ class OasisSparseKV:
         self.ops.copy_blocks(self.host.k[li].view(-1, bs * self.head_dim), self.host.v[li].view(-1, bs * self.v_head_dim),
                              dst, self.ws.k[li].view(-1, bs * self.head_dim), self.ws.v[li].view(-1, bs * self.v_head_dim),
                              src)
-        self._counters[3] += done.sum() * H
+        self._counters[li, 3] += done.sum() * H
 
     # ---- lifecycle and reporting ----------------------------------------------------------
     def reset_rows(self, rows) -> None:
-        """Free the working set of finished (or newly allocated) request rows."""
+        """Free the working set of finished (or newly allocated) request rows.
+
+        Waits (on the device) for every prefetch in flight first, so no stage still writes the
+        rows' slots or reads their host pages when they are reused."""
+        self.pipe.drain()
         self.ws.reset_rows(rows)
-        self._fresh_rows.update(int(r) for r in rows)
+        self._pred_seq[:, torch.as_tensor(rows, dtype=torch.int64, device=self.device)] = -1
 
     def residency(self) -> dict:
         """KV residency of the last decode step and memory sizes (bytes). Reads the device counters.
@@ -231,12 +336,23 @@ class OasisSparseKV:
         Raises:
             RuntimeError: a decoded token found its block not resident (``WorkingSet.check``).
         """
+        self.pipe.drain()
         self.ws.check()
         s = self.stats
-        hits, admitted, evicted, written_back = (int(x) for x in self._counters.tolist())
+        hits, admitted, evicted, written_back = (int(x) for x in self._counters.sum(0).tolist())
+        ctx, held = [], []
+        if self._last_batch is not None:
+            rows, seq = self._last_batch
+            li = 0
+            ids0 = self.ws.ids[li][rows, 0]                                    # [B, K], layer 0, KV head 0
+            held = ((seq[:, None] - ids0 * self.bs).clamp(0, self.bs) * (ids0 >= 0)).sum(-1).tolist()
+            ctx = seq.tolist()
+        agree = self._agreement.tolist()
+        waits = self.pipe.exposed_wait_ms()
         return {
-            "context_tokens": list(s.last_context_tokens),
-            "device_working_set_tokens": list(s.last_resident_tokens),
+            "predictor": self.predictor.name,
+            "context_tokens": ctx,
+            "device_working_set_tokens": held,
             "budget_tokens": self.cfg.budget_tokens,
             "sparse_layers": len(self.sparse_layers),
             "working_set_bytes": self.ws.nbytes,
@@ -248,4 +364,7 @@ class OasisSparseKV:
             "evicted_blocks": evicted,
             "bytes_h2d": admitted * self._block_bytes,
             "bytes_d2h": written_back * self._block_bytes,
+            "sync_steps": s.sync_steps,
+            "exposed_wait_ms": waits,
+            "agreement": [a / t if t else None for a, t in agree] if self.cfg.measure_agreement else None,
         }

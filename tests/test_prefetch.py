@@ -1,0 +1,263 @@
+"""The asynchronous prefetch pipeline and its predictors (``core.prefetch``, ``core.engine``).
+
+CPU runs the stages inline; on CUDA (the GPU smoke) the same tests run the three streams, and
+``test_streams_equal_inline`` compares them with the inline CPU result.
+"""
+
+import pytest
+import torch
+
+from oasis_sglang.config import OasisConfig, OasisConfigError
+from oasis_sglang.core import OasisSparseKV
+from oasis_sglang.core.attention import decode_attention
+from oasis_sglang.core.ops import TorchKVOps
+from oasis_sglang.core.prefetch import PREDICTORS, get_predictor
+
+BS, H, HQ, D = 4, 2, 6, 8
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def _engine(budget, predictor, fetch_cap=None, rows=4, device="cpu", measure=False, layers=3):
+    cfg = OasisConfig(budget_tokens=budget, block_size=BS, sink_blocks=1, recent_blocks=2, dense_layers=(0,),
+                      fetch_cap=fetch_cap, predictor=predictor, measure_agreement=measure)
+    return OasisSparseKV(cfg, layers, 1024, rows, H, D, D, torch.float32, device)
+
+
+class Run:
+    """Prefill then decode several requests through every sparse layer, with truth kept on the host."""
+
+    def __init__(self, eng, rows, n_prompt, n_total, device="cpu"):
+        self.eng, self.rows, self.dev = eng, torch.tensor(rows), device
+        B = len(rows)
+        self.rt = torch.zeros(eng.ws.R, 512, dtype=torch.int32, device=device)
+        pages = torch.randperm(1024 // BS)
+        self.K = {l: torch.randn(B, n_total, H, D) for l in eng.sparse_layers}
+        self.V = {l: torch.randn(B, n_total, H, D) for l in eng.sparse_layers}
+        self.Q = {l: torch.randn(B, n_total, HQ, D) for l in eng.sparse_layers}   # fresh each step: worst drift
+        self.Qd = {l: torch.randn(B, n_total, HQ, D) for l in eng.sparse_layers}
+        per = -(-n_total // BS)
+        for b, r in enumerate(rows):
+            p = pages[b * per:(b + 1) * per]
+            self.rt[r, :n_total] = (p[:, None] * BS + torch.arange(BS)).reshape(-1)[:n_total].to(device, torch.int32)
+        self.n_prompt, self.t = n_prompt, n_prompt
+
+    def loc(self, t):
+        return self.rt[self.rows.to(self.dev), t].long()
+
+    def prefill(self):
+        e, n, B = self.eng, self.n_prompt, len(self.rows)
+        for l in e.sparse_layers:
+            locs = self.rt[self.rows.to(self.dev), :n].reshape(-1).long()
+            k = self.K[l][:, :n].reshape(-1, H, D).to(self.dev)
+            v = self.V[l][:, :n].reshape(-1, H, D).to(self.dev)
+            e.write_kv(l, locs, k, v)
+            e.extend_attention(l, self.Q[l][:, :n].reshape(-1, HQ, D).to(self.dev), self.rows.to(self.dev),
+                               torch.zeros(B, dtype=torch.long), torch.full((B,), n), self.rt, None, k, v)
+
+    def step(self, draft=False, hook=None):
+        """One decode step (token ``self.t``) through every sparse layer; returns {layer: out}."""
+        e, t, outs = self.eng, self.t, {}
+        seq = torch.full((len(self.rows),), t + 1)
+        for l in e.sparse_layers:
+            if hook:
+                hook(l)
+            k, v = self.K[l][:, t].to(self.dev), self.V[l][:, t].to(self.dev)
+            e.write_kv(l, self.loc(t), k, v, decode=True)
+            kw = {}
+            if draft:
+                kw = dict(q_draft=self.Qd[l][:, t].to(self.dev), k_draft=torch.randn(len(self.rows), H, D).to(self.dev),
+                          v_draft=torch.randn(len(self.rows), H, D).to(self.dev))
+            outs[l] = e.decode_attention(l, self.Q[l][:, t].to(self.dev), k, v, self.rows.to(self.dev), seq.to(self.dev),
+                                         self.rt, None, t + 1, **kw)
+            if draft:
+                outs[l] = (outs[l], kw)
+        self.t += 1
+        return outs
+
+
+def _resident_positions(ids_row_head, n):
+    return sorted(p for b in ids_row_head.tolist() if b >= 0 for p in range(b * BS, min(n, b * BS + BS)))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_previous_predictor_attends_the_blocks_predicted_one_step_ahead(seed, device):
+    """Each step attends exactly over the top-K predicted at the previous step (or at the end of
+    the prefill) from that step's query, with the summaries as they were then."""
+    eng = _engine(16, "previous", device=device)                      # 4 blocks of 4: 1 sink + 2 recent + 1
+    run = Run(eng, [1, 3], 30, 60, device)
+    run.prefill()
+    ref = TorchKVOps()
+    prev_q = {l: run.Q[l][:, run.n_prompt - 1] for l in eng.sparse_layers}
+    for _ in range(30):
+        li = {l: eng.index[l] for l in eng.sparse_layers}
+        snap = {l: eng.ws.ids[li[l]][run.rows.to(device)].cpu().clone() for l in eng.sparse_layers}
+        summ = {l: (eng.summaries.kmin[li[l]].clone(), eng.summaries.kmax[li[l]].clone()) for l in eng.sparse_layers}
+        t = run.t
+        outs = run.step()
+        for l in eng.sparse_layers:
+            kmin, kmax = summ[l]
+            wanted, _ = ref.select_topk(prev_q[l].to(device), kmin, kmax, run.rt, run.rows.to(device),
+                                        torch.full((2,), t + 1, device=device), BS, 1, 2, -(-(t + 1) // BS), 4)
+            for b in range(2):
+                for h in range(H):
+                    assert set(snap[l][b, h].tolist()) - {-1} == set(wanted[b, h].cpu().tolist()) - {-1}, (t, l, b, h)
+                    pos = _resident_positions(snap[l][b, h], t + 1)
+                    assert t in pos and 0 in pos
+                k = torch.stack([run.K[l][b, _resident_positions(snap[l][b, h], t + 1), h] for h in range(H)], 1)
+                v = torch.stack([run.V[l][b, _resident_positions(snap[l][b, h], t + 1), h] for h in range(H)], 1)
+                torch.testing.assert_close(outs[l][b].cpu(), decode_attention(run.Q[l][b, t], k, v, None),
+                                           rtol=1e-5, atol=1e-5)
+            prev_q[l] = run.Q[l][:, t]
+    assert eng.stats.sync_steps == 0, "every step was predicted"
+    assert eng.residency()["evicted_blocks"] > 0
+
+
+def test_lookahead_predicts_from_the_draft_query_and_never_writes_draft_kv(seed):
+    eng = _engine(16, "lookahead")
+    run = Run(eng, [0, 2], 30, 50)
+    run.prefill()
+    for _ in range(12):
+        t = run.t
+        host_k = [x.clone() for x in eng.host.k]
+        kmin = [x.clone() for x in eng.summaries.kmin]
+        outs = run.step(draft=True)
+        for l in eng.sparse_layers:
+            o, kw = outs[l]
+            li = eng.index[l]
+            assert o.shape == (2, 2, HQ, D)
+            # the prediction for step t+1 is the draft query's top-K
+            wanted, _ = TorchKVOps().select_topk(kw["q_draft"], eng.summaries.kmin[li], eng.summaries.kmax[li], run.rt,
+                                                 run.rows, torch.full((2,), t + 2), BS, 1, 2, -(-(t + 2) // BS), 4)
+            ids = eng.ws.ids[li][run.rows]
+            for b in range(2):
+                for h in range(H):
+                    assert set(ids[b, h].tolist()) - {-1} == set(wanted[b, h].tolist()) - {-1}
+        # the draft row's K/V reached neither the host tier nor the summaries: only token t did
+        for li in range(len(eng.sparse_layers)):
+            assert torch.equal(eng.host.k[li], host_k[li]) or (t + 1) % BS == 0
+        pages_t = set((run.rt[run.rows, t].long() // BS).tolist())
+        for li in range(len(eng.sparse_layers)):
+            changed = (eng.summaries.kmin[li] != kmin[li]).any(-1).any(-1).nonzero().flatten().tolist()
+            assert set(changed) <= pages_t
+
+
+def test_draft_row_attends_working_set_new_token_and_itself(seed):
+    eng = _engine(64, "lookahead")                                   # budget >= context: dense
+    run = Run(eng, [1], 20, 30)
+    run.prefill()
+    t = run.t
+    outs = run.step(draft=True)
+    for l in eng.sparse_layers:
+        o, kw = outs[l]
+        k = torch.cat([run.K[l][0, :t + 1], kw["k_draft"]])
+        v = torch.cat([run.V[l][0, :t + 1], kw["v_draft"]])
+        torch.testing.assert_close(o[0, 1], decode_attention(kw["q_draft"][0], k, v, None), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(o[0, 0], decode_attention(run.Q[l][0, t], k[:-1], v[:-1], None), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("cap", [1, 2, 3])
+@pytest.mark.parametrize("predictor", ["previous", "lookahead"])
+def test_capped_eviction_bounds_traffic_under_prediction_drift(seed, cap, predictor):
+    """Fresh random queries every step (worst drift): after the first step, at most ``fetch_cap``
+    blocks are copied per step, request, layer and KV head, and the budget always holds."""
+    eng = _engine(32, predictor, fetch_cap=cap)                       # 8 blocks
+    run = Run(eng, [0, 1, 3], 40, 120)
+    run.prefill()
+    run.step(draft=predictor == "lookahead")
+    L = len(eng.sparse_layers)
+    copied = eng._counters[:, 1].sum().item()
+    for _ in range(60):
+        run.step(draft=predictor == "lookahead")
+        now = eng._counters[:, 1].sum().item()
+        assert now - copied <= cap * 3 * H * L, "fetch_cap exceeded"
+        copied = now
+        held = (eng.ws.ids[:, run.rows] >= 0).sum(-1)
+        assert (held <= 8).all()
+        ids = eng.ws.ids[:, run.rows]
+        nb = -(-(run.t + 1) // BS)
+        for blk in (0, nb - 1, nb - 2):                                # sink and recent: always resident
+            assert (ids == blk).any(-1).all(), blk
+    r = eng.residency()
+    assert r["evicted_blocks"] > 0 and r["sync_steps"] == 0
+
+
+def test_unpredicted_context_falls_back_to_synchronous_selection(seed):
+    """A request whose context differs from the predicted one (e.g. resumed after a skipped
+    step) is served by the current query, exactly as the ``current`` predictor would."""
+    a, b = _engine(16, "previous"), _engine(16, "current")
+    torch.manual_seed(7)
+    ra = Run(a, [2], 20, 40)
+    torch.manual_seed(7)
+    rb = Run(b, [2], 20, 40)
+    for r in (ra, rb):
+        r.prefill()
+        r.t += 1                                                       # the context jumps by one token
+    oa, ob = ra.step(), rb.step()
+    assert a.stats.sync_steps == 1
+    for l in a.sparse_layers:
+        assert torch.equal(oa[l], ob[l])
+    ra.step()
+    assert a.stats.sync_steps == 1, "predicted again from the next step on"
+
+
+def test_reset_rows_drops_predictions_and_slots(seed):
+    eng = _engine(16, "previous")
+    run = Run(eng, [1, 2], 20, 30)
+    run.prefill()
+    run.step()
+    eng.reset_rows([1])
+    assert (eng.ws.ids[:, 1] == -1).all() and (eng._pred_seq[:, 1] == -1).all()
+    assert (eng._pred_seq[:, 2] == run.t + 1).all()
+
+
+def test_agreement_measurement(seed):
+    """budget >= context: the prediction holds the whole true top-K (agreement 1.0); with fresh
+    random queries each step and a small budget it cannot (agreement < 1)."""
+    full = _engine(256, "previous", measure=True)
+    run = Run(full, [0], 40, 60)
+    run.prefill()
+    for _ in range(10):
+        run.step()
+    assert full.residency()["agreement"] == [1.0, 1.0]
+    small = _engine(24, "previous", measure=True)
+    run = Run(small, [0, 1], 60, 100)
+    run.prefill()
+    for _ in range(20):
+        run.step()
+    ag = small.residency()["agreement"]
+    assert all(0.0 <= x < 1.0 for x in ag), ag
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the stage streams exist only on CUDA")
+def test_streams_equal_inline(seed):
+    """Three CUDA streams with per-layer events give the same working sets and outputs as the
+    inline CPU run (torch references on both: exact for the tables, close for attention)."""
+    state = torch.random.get_rng_state()
+    outs = {}
+    for dev in ("cpu", "cuda"):
+        torch.random.set_rng_state(state)
+        eng = _engine(32, "lookahead", fetch_cap=2, rows=8, device=dev)
+        run = Run(eng, [0, 3, 5, 7], 100, 160, dev)
+        run.prefill()
+        res = [run.step(draft=True) for _ in range(40)]
+        outs[dev] = (eng.ws.ids.cpu(), [{l: o[0].cpu() for l, o in r.items()} for r in res], eng.residency())
+    assert torch.equal(outs["cpu"][0], outs["cuda"][0])
+    for a, b in zip(outs["cpu"][1], outs["cuda"][1]):
+        for l in a:
+            torch.testing.assert_close(a[l], b[l], rtol=1e-4, atol=1e-4)
+    for key in ("hit_blocks", "admitted_blocks", "evicted_blocks", "bytes_h2d", "bytes_d2h"):
+        assert outs["cpu"][2][key] == outs["cuda"][2][key], key
+    assert len(outs["cuda"][2]["exposed_wait_ms"]) == 2
+
+
+def test_predictor_registry_and_config():
+    assert set(PREDICTORS) == {"lookahead", "previous", "current"}
+    assert get_predictor("current").asynchronous is False
+    assert OasisConfig().predictor_for(True) == "lookahead"
+    assert OasisConfig().predictor_for(False) == "previous"
+    with pytest.raises(OasisConfigError, match="'predictor'.*speculative"):
+        OasisConfig(predictor="lookahead").predictor_for(False)
+    with pytest.raises(OasisConfigError, match="'predictor'"):
+        OasisConfig(predictor="oracle")
+    with pytest.raises(OasisConfigError, match="'measure_agreement'"):
+        OasisConfig(measure_agreement="yes")
