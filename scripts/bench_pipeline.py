@@ -1,0 +1,219 @@
+"""Exposed transfer stall and paired-forward cost of the OasisKV decode step on a CUDA GPU.
+
+    python scripts/bench_pipeline.py [--batch 32] [--context 16384] [--budget 2048] [--layers 8]
+        [--steps 24] [--caps 1 2 4 8] [--drift 1.0] [--out out/bench_pipeline]
+
+What runs (engine level, no SGLang scheduler): ``--layers`` Qwen3-8B-shaped sparse layers (32 q /
+8 KV heads, head_dim 128, bf16, 16-token blocks), each step and layer doing the layer's real
+GEMMs at batch ``B`` (QKV 4096x6144, O 4096x4096, gate/up 4096x24576, down 12288x4096: the
+non-attention work a decode step hides the prefetch behind) and then OasisKV's decode path with
+the Triton kernels: summaries, write, write-back, sparse attention, and, per predictor:
+
+* ``current``: score + top-K + admission + H2D copy on the critical path (the foundation);
+* ``previous``: the same three stages for the next step on their own streams;
+* ``lookahead``: as ``previous`` plus a draft row (2 query rows per request: attention over the
+  working set with the draft's own K/V, GEMMs at ``2B`` rows); the draft query is the next
+  step's query (an oracle draft).
+
+Queries follow ``q_t = sqrt(1 - a^2) q_{t-1} + a * noise`` with ``a = --drift`` (1.0: a fresh
+random query every step, the worst case for the prediction: every step admits ``fetch_cap``
+blocks per request, layer and KV head). Random K/V: the speed of the same work, not a real
+attention pattern.
+
+Reported per (predictor, fetch_cap), medians over the steps after the first two (the initial
+fill): GPU time per step (CUDA events), host wall time per step, exposed wait (the compute
+stream's stall on the transfer events, summed over layers), its share of the step, blocks and
+bytes copied host-to-device per step (with the cap's bound ``cap * B * H * layers``), the hit
+rate, and the step time relative to ``previous`` (for ``lookahead``: the paired-forward cost).
+Writes ``results.md`` and ``results.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from oasis_sglang.config import OasisConfig
+from oasis_sglang.core import OasisSparseKV
+from oasis_sglang.core.prefetch import get_predictor
+from oasis_sglang.kernels import get_kv_ops
+
+HID, HQ, H, D, FFN = 4096, 32, 8, 128, 12288
+DT = torch.bfloat16
+DEV = "cuda"
+
+
+class Layer:
+    """One Qwen3-8B decoder layer's GEMM weights (random), run on ``[M, 4096]`` activations."""
+
+    def __init__(self):
+        dt = DT if DEV == "cuda" else torch.float32
+        self.w = [torch.randn(a, b, device=DEV, dtype=dt) * 0.01
+                  for a, b in ((HID, (HQ + 2 * H) * D), (HQ * D, HID), (HID, 2 * FFN), (FFN, HID))]
+
+    def __call__(self, x):
+        qkv = x @ self.w[0]
+        o = qkv[:, :HQ * D] @ self.w[1]
+        gu = o @ self.w[2]
+        return (gu[:, :FFN] * gu[:, FFN:]) @ self.w[3]
+
+
+def build(args):
+    B, C, L = args.batch, args.context, args.layers
+    n_tok = B * (C + args.steps + 16)
+    kern = "triton" if DEV == "cuda" else "torch"
+    cfg = OasisConfig(budget_tokens=args.budget, block_size=16, fetch_cap=8, dense_layers=(), kernels=kern)
+    t0 = time.time()
+    eng = OasisSparseKV(cfg, L, n_tok, B, H, D, D, DT, DEV, ops=get_kv_ops(kern), predictor="previous")
+    print(f"engine: host tier {eng.host.nbytes / 2**30:.1f} GiB pinned, working set {eng.ws.nbytes / 2**30:.2f} GiB "
+          f"({time.time() - t0:.0f} s)", flush=True)
+    per = C + args.steps + 16
+    rt = (torch.arange(B, device=DEV)[:, None] * per + torch.arange(per, device=DEV)[None]).to(torch.int32)
+    rows = torch.arange(B, device=DEV)
+    for l in tqdm(range(L), desc="prefill (write host tier + summaries)"):
+        for b in range(B):
+            k = torch.randn(C, H, D, device=DEV, dtype=DT)
+            eng.write_kv(l, rt[b, :C].long(), k, torch.randn_like(k))
+    sync()
+    return eng, rt, rows
+
+
+def sync():
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+
+
+class Timer:
+    """CUDA events on the GPU, wall time elsewhere (the ``--device cpu`` smoke run)."""
+
+    def __init__(self):
+        self.ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if DEV == "cuda" else None
+
+    def start(self):
+        if self.ev:
+            self.ev[0].record()
+        self.t = time.perf_counter()
+
+    def stop(self) -> float:
+        if self.ev:
+            self.ev[1].record()
+            self.ev[1].synchronize()
+            return self.ev[0].elapsed_time(self.ev[1])
+        return (time.perf_counter() - self.t) * 1e3
+
+
+def run_case(eng, rt, rows, layers, args, predictor, cap):
+    B, C, L = args.batch, args.context, args.layers
+    eng.cfg = dataclasses.replace(eng.cfg, fetch_cap=cap)
+    eng.predictor = get_predictor(predictor)
+    eng.reset_rows(list(range(B)))
+    eng._counters.zero_()
+    eng.stats.sync_steps = 0
+    draft = predictor == "lookahead"
+    a = args.drift
+    n = args.steps + 2
+    qs = [torch.randn(B, HQ, D, device=DEV, dtype=DT)]
+    for _ in range(n):
+        qs.append((math.sqrt(max(0.0, 1 - a * a)) * qs[-1] + a * torch.randn_like(qs[-1])).to(DT))
+    x = torch.randn(2 * B if draft else B, HID, device=DEV, dtype=layers[0].w[0].dtype)
+    # the first decode step's working set, as the prefill would predict it (last prompt query)
+    for l in range(L):
+        q0 = qs[0]
+        eng._issue_prefetch(l, q0, rows, torch.full((B,), C + 1, device=DEV), rt, -(-(C + 1) // 16))
+    eng._prefilled = True
+    res = []
+    base = None
+    for s in range(n):
+        if s == 2:
+            sync()
+            base = eng._counters.sum(0).clone()                        # steady state: after the initial fill
+
+        t = C + s
+        seq = torch.full((B,), t + 1, device=DEV)
+        timer = Timer()
+        sync()
+        w0 = time.perf_counter()
+        timer.start()
+        for l in range(L):
+            layers[l % len(layers)](x)
+            k = torch.randn(B, H, D, device=DEV, dtype=DT)
+            eng.write_kv(l, rt[:, t].long(), k, k, decode=True)
+            kw = dict(q_draft=qs[s + 1], k_draft=k, v_draft=k) if draft else {}
+            eng.decode_attention(l, qs[s], k, k, rows, seq, rt, None, t + 1, **kw)
+        gpu = timer.stop()
+        sync()
+        wall = (time.perf_counter() - w0) * 1e3
+        waits = eng.pipe.exposed_wait_ms()
+        res.append({"gpu_ms": gpu, "wall_ms": wall, "wait_ms": sum(waits)})
+    r = eng.residency()
+    hits, copied = (int(x) for x in (eng._counters.sum(0) - base)[:2].tolist())
+    keep = res[2:]                                                      # after the first (filling) steps
+    med = lambda k: sorted(x[k] for x in keep)[len(keep) // 2]          # noqa: E731
+    steps = len(keep)
+    piece = eng._block_bytes
+    return {
+        "predictor": predictor, "fetch_cap": cap, "gpu_ms": med("gpu_ms"), "wall_ms": med("wall_ms"),
+        "wait_ms": med("wait_ms"), "wait_share": med("wait_ms") / med("gpu_ms"),
+        "h2d_blocks_per_step": copied / steps, "h2d_MB_per_step": copied * piece / steps / 1e6,
+        "h2d_GBps": copied * piece / steps / (med("gpu_ms") * 1e6),
+        "cap_blocks_per_step": cap * args.batch * H * args.layers,
+        "hit_rate": hits / max(1, hits + copied),
+        "sync_steps": r["sync_steps"],
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--context", type=int, default=16384)
+    p.add_argument("--budget", type=int, default=2048)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--steps", type=int, default=24)
+    p.add_argument("--caps", type=int, nargs="+", default=[1, 2, 4, 8])
+    p.add_argument("--predictors", nargs="+", default=["current", "previous", "lookahead"])
+    p.add_argument("--drift", type=float, default=1.0)
+    p.add_argument("--out", default="out/bench_pipeline")
+    p.add_argument("--device", default="cuda", help="cpu: a functional smoke run with the torch references")
+    args = p.parse_args()
+    global DEV
+    DEV = args.device
+    if DEV == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("bench_pipeline.py needs a CUDA GPU (or --device cpu for a smoke run)")
+    eng, rt, rows = build(args)
+    layers = [Layer() for _ in range(2)]
+    rows_out = []
+    for cap in tqdm(args.caps, desc="fetch_cap"):
+        for pred in args.predictors:
+            r = run_case(eng, rt, rows, layers, args, pred, cap)
+            rows_out.append(r)
+            print(json.dumps(r), flush=True)
+    prev = {r["fetch_cap"]: r["gpu_ms"] for r in rows_out if r["predictor"] == "previous"}
+    md = [f"B={args.batch}, context {args.context}, budget {args.budget}, {args.layers} sparse layers, "
+          f"drift {args.drift}, {args.steps} steps (median after 2)", "",
+          "| predictor | fetch_cap | GPU ms/step | wall ms/step | exposed wait ms | wait % of step | "
+          "H2D blocks/step (cap) | H2D MB/step | H2D GB/s | hit rate | vs previous |",
+          "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows_out:
+        rel = r["gpu_ms"] / prev[r["fetch_cap"]] if r["fetch_cap"] in prev else float("nan")
+        md.append(f"| {r['predictor']} | {r['fetch_cap']} | {r['gpu_ms']:.2f} | {r['wall_ms']:.2f} | {r['wait_ms']:.3f} | "
+                  f"{100 * r['wait_share']:.1f}% | {r['h2d_blocks_per_step']:.0f} ({r['cap_blocks_per_step']}) | "
+                  f"{r['h2d_MB_per_step']:.1f} | {r['h2d_GBps']:.1f} | "
+                  f"{r['hit_rate']:.3f} | {rel:.2f}x |")
+    text = "\n".join(md)
+    print(text)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.md").write_text(text + "\n")
+    (out / "results.json").write_text(json.dumps({"args": vars(args), "rows": rows_out}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
