@@ -63,8 +63,12 @@ def _score_kernel(Q, Kmin, Kmax, ReqToToken, Rows, SeqLens, Keys,
     qbase = Q + b.to(tl.int64) * stride_qb + (h * G) * stride_qh
     for g in tl.static_range(G):                               # GQA: max over the group's bounds
         qv = tl.load(qbase + g * stride_qh + d, mask=dm, other=0.0).to(tl.float32)
-        u = tl.sum(tl.maximum(qv[None, :] * lo, qv[None, :] * hi), axis=1)
-        score = tl.maximum(score, u)
+        a = qv[None, :] * lo
+        c = qv[None, :] * hi
+        # NaN propagates as in the torch reference (compiled tl.maximum returns the non-NaN operand)
+        m = tl.where((a != a) | (c != c), float("nan"), tl.maximum(a, c))
+        u = tl.sum(m, axis=1)
+        score = tl.where((u != u) | (score != score), float("nan"), tl.maximum(score, u))
     score = score + 0.0                                          # -0.0 -> +0.0
     score = tl.where(score != score, -3.0e38, score)             # NaN -> -3e38, +-inf -> +-FLT_MAX:
     score = tl.minimum(tl.maximum(score, -3.4028234663852886e38), 3.4028234663852886e38)  # forced stay first

@@ -169,6 +169,105 @@ def run_case(eng, rt, rows, layers, args, predictor, cap):
     }
 
 
+def run_graph_case(eng, rt, rows, layers, args, variant, cap):
+    """One decode step captured in a CUDA graph and replayed (no host launch cost).
+
+    ``variant``: ``current`` / ``previous`` / ``lookahead`` as in eager mode, ``no-prefetch``
+    (the ``previous`` step with the prefetch stages removed: the same compute with no predict,
+    select or transfer; the floor the exposed cost is measured against) or ``no-transfer``
+    (``previous`` without the H2D copies: ``previous`` minus this is the exposed transfer cost). Inputs change every
+    replay through static buffers (fresh queries, so every step admits up to ``fetch_cap``
+    blocks per request, layer and KV head). The stage streams are joined at the end of the
+    captured step, so the last layers' transfers cannot overlap the next step's first layers
+    here (SGLang's graph runner would impose the same boundary).
+    """
+    B, C, L = args.batch, args.context, args.layers
+    pred = "previous" if variant in ("no-prefetch", "no-transfer") else variant
+    eng.cfg = dataclasses.replace(eng.cfg, fetch_cap=cap)
+    eng.predictor = get_predictor(pred)
+    eng.reset_rows(list(range(B)))
+    eng._counters.zero_()
+    draft = variant == "lookahead"
+    issue = eng._issue_prefetch
+    for l in range(L):
+        issue(l, torch.randn(B, HQ, D, device=DEV, dtype=DT), rows, torch.full((B,), C + 1, device=DEV), rt,
+              -(-(C + 1) // 16))
+    if variant == "no-prefetch":
+        eng._issue_prefetch = lambda *a, **k: None
+    if variant == "no-transfer":
+        eng._copy_in = lambda *a, **k: None
+    x = torch.randn(2 * B if draft else B, HID, device=DEV, dtype=DT)
+    q, qd = torch.randn(B, HQ, D, device=DEV, dtype=DT), torch.randn(B, HQ, D, device=DEV, dtype=DT)
+    kb = torch.randn(L, B, H, D, device=DEV, dtype=DT)
+    seq = torch.full((B,), C + 1, device=DEV)
+    loc = rt[:, C].long().clone()
+    max_len = C + args.steps + 16                                          # >= every step's context
+
+    def step():
+        for l in range(L):
+            layers[l % len(layers)](x)
+            eng.write_kv(l, loc, kb[l], kb[l], decode=True)
+            kw = dict(q_draft=qd, k_draft=kb[l], v_draft=kb[l]) if draft else {}
+            eng.decode_attention(l, q, kb[l], kb[l], rows, seq, rt, None, max_len, **kw)
+        eng.pipe.drain()
+
+    def set_inputs(s):
+        seq.fill_(C + 1 + s)
+        loc.copy_(rt[:, C + s].long())
+        q.normal_()
+        qd.normal_()
+        kb.normal_()
+
+    eng.assume_predicted, eng.pipe.timing = True, False
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):                                      # warm-up (Triton compiles)
+            for s in range(2):
+                set_inputs(s)
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        eng.pipe.ready = [None] * L          # all done: nothing from before the capture to wait on
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            step()
+        times, base = [], None
+        for s in range(2, args.steps + 2):
+            set_inputs(s)
+            if s == 4:
+                torch.cuda.synchronize()
+                base = eng._counters.sum(0).clone()
+            t = Timer()
+            t.start()
+            g.replay()
+            times.append(t.stop())
+        torch.cuda.synchronize()
+        hits, copied = (int(x) for x in (eng._counters.sum(0) - base)[:2].tolist())
+    finally:
+        eng.assume_predicted, eng.pipe.timing = False, True
+        eng._issue_prefetch = issue
+        eng.__dict__.pop("_copy_in", None)
+        torch.cuda.synchronize()
+        eng.ws.violations.zero_()            # no-prefetch steps write into blocks never brought in
+    keep = sorted(times[2:])
+    n = args.steps - 2
+    return {"variant": variant, "fetch_cap": cap, "gpu_ms": keep[len(keep) // 2],
+            "h2d_blocks_per_step": copied / n, "h2d_MB_per_step": copied * eng._block_bytes / n / 1e6,
+            "cap_blocks_per_step": cap * B * H * L, "hit_rate": hits / max(1, hits + copied)}
+
+
+def profile_eager(eng, rt, rows, layers, args):
+    """torch.profiler over a few eager ``previous`` steps: where the host time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    a = argparse.Namespace(**{**vars(args), "steps": 3})
+    run_case(eng, rt, rows, layers, a, "previous", 8)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run_case(eng, rt, rows, layers, a, "previous", 8)
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--batch", type=int, default=32)
@@ -181,6 +280,8 @@ def main() -> int:
     p.add_argument("--drift", type=float, default=1.0)
     p.add_argument("--out", default="out/bench_pipeline")
     p.add_argument("--device", default="cuda", help="cpu: a functional smoke run with the torch references")
+    p.add_argument("--graph", action="store_true", help="also replay each step from a CUDA graph")
+    p.add_argument("--profile", action="store_true", help="print a torch.profiler table of eager steps")
     args = p.parse_args()
     global DEV
     DEV = args.device
@@ -206,12 +307,36 @@ def main() -> int:
                   f"{100 * r['wait_share']:.1f}% | {r['h2d_blocks_per_step']:.0f} ({r['cap_blocks_per_step']}) | "
                   f"{r['h2d_MB_per_step']:.1f} | {r['h2d_GBps']:.1f} | "
                   f"{r['hit_rate']:.3f} | {rel:.2f}x |")
+    if args.graph:
+        md += ["", "CUDA graph replays (no host launch cost; the exposed cost is the step minus the "
+               "no-prefetch step):", "",
+               "| variant | fetch_cap | GPU ms/step | exposed vs no-prefetch | exposed transfer (vs no-transfer) | "
+               "H2D blocks/step (cap) | H2D MB/step | hit rate |", "|---|---|---|---|---|---|---|---|"]
+        graph_rows = []
+        for cap in tqdm(args.caps, desc="graph fetch_cap"):
+            rs = [run_graph_case(eng, rt, rows, layers, args, v, cap)
+                  for v in ["no-prefetch", "no-transfer"] + list(args.predictors)]
+            floor, no_xfer = rs[0]["gpu_ms"], rs[1]["gpu_ms"]
+            for r in rs:
+                r["exposed_share"] = (r["gpu_ms"] - floor) / r["gpu_ms"]
+                r["transfer_share"] = (r["gpu_ms"] - no_xfer) / r["gpu_ms"] if r["variant"] != "no-prefetch" else 0.0
+                print(json.dumps(r), flush=True)
+                md.append(f"| {r['variant']} | {cap} | {r['gpu_ms']:.3f} | {100 * r['exposed_share']:.1f}% | "
+                          f"{100 * r['transfer_share']:.1f}% | "
+                          f"{r['h2d_blocks_per_step']:.0f} ({r['cap_blocks_per_step']}) | {r['h2d_MB_per_step']:.1f} | "
+                          f"{r['hit_rate']:.3f} |")
+            graph_rows += rs
+        rows_out_graph = graph_rows
+    else:
+        rows_out_graph = []
+    if args.profile:
+        md += ["", "```", profile_eager(eng, rt, rows, layers, args), "```"]
     text = "\n".join(md)
     print(text)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.md").write_text(text + "\n")
-    (out / "results.json").write_text(json.dumps({"args": vars(args), "rows": rows_out}, indent=1))
+    (out / "results.json").write_text(json.dumps({"args": vars(args), "rows": rows_out, "graph": rows_out_graph}, indent=1))
     return 0
 
 

@@ -85,6 +85,10 @@ class OasisSparseKV:
         # compute stream never update the same element concurrently
         self._counters = torch.zeros((L, 4), dtype=torch.int64, device=self.device)
         self._step = 0
+        self._step_d = torch.zeros((), dtype=torch.int64, device=self.device)   # LRU clock on the device
+        # set by a caller that replays captured decode steps (CUDA graphs): every row is known to
+        # be predicted for its context, so the per-step host check is skipped
+        self.assume_predicted = False
         self._last_li = L                  # layer order wraps -> a new decode step begins
         self._sync_step = True
         self._prefilled = False
@@ -217,7 +221,7 @@ class OasisSparseKV:
         if not self.predictor.asynchronous or self._sync_step:
             # 3.-4. score with this step's query, select and bring missing blocks in
             wanted, forced = self._predict(li, qv, rows_d, seq, rtt, nb_max)
-            self._select_transfer(li, rows_d, seq, rtt, wanted, forced, self._step)
+            self._select_transfer(li, rows_d, seq, rtt, wanted, forced, self._step_d)
         elif cfg.measure_agreement:
             self._measure_agreement(li, qv, rows_d, seq, rtt, nb_max)
         # 5. the new token into its resident block; completed blocks written back to the host tier
@@ -241,11 +245,13 @@ class OasisSparseKV:
     def _begin_step(self, li: int, rows: torch.Tensor, seq: torch.Tensor) -> None:
         """Host bookkeeping at the first sparse layer of a decode step (one host read at most)."""
         self._step += 1
+        self._step_d += 1
         s = self.stats
         s.decode_steps += 1
         s.new_request_started, self._prefilled = self._prefilled, False
         self._last_batch = (rows, seq)
-        if self.predictor.asynchronous:
+        self._sync_step = False
+        if self.predictor.asynchronous and not self.assume_predicted:
             # every row must have been predicted for exactly this context; otherwise this step
             # selects synchronously (e.g. a request resumed with another length)
             self._sync_step = bool((self._pred_seq[li][rows] != seq).any())
@@ -280,22 +286,27 @@ class OasisSparseKV:
         live = adm.mask & (blk * bs < (seq - 1)[:, None, None])
         page_of = torch.div(rtt[r, (blk * bs).clamp(max=rtt.shape[1] - 1)].long(), bs, rounding_mode="floor")
         dst = torch.where(live, (r * H + h) * K + adm.entry, -1).reshape(-1)
-        self.ops.copy_blocks(self.ws.k[li].view(-1, bs * self.head_dim), self.ws.v[li].view(-1, bs * self.v_head_dim), dst,
-                             self.host.k[li].view(-1, bs * self.head_dim), self.host.v[li].view(-1, bs * self.v_head_dim),
-                             (h * P + page_of).reshape(-1))
+        self._copy_in(li, dst, (h * P + page_of).reshape(-1))
         self._counters[li, :3] += torch.stack([adm.hits, live.sum(), adm.evicted])
         return dst
+
+    def _copy_in(self, li: int, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """H2D: working-set pieces ``dst [M]`` (``-1`` skipped) from host-tier pieces ``src [M]``."""
+        bs = self.bs
+        self.ops.copy_blocks(self.ws.k[li].view(-1, bs * self.head_dim), self.ws.v[li].view(-1, bs * self.v_head_dim), dst,
+                             self.host.k[li].view(-1, bs * self.head_dim), self.host.v[li].view(-1, bs * self.v_head_dim),
+                             src)
 
     def _issue_prefetch(self, li, q, rows, seq_next, rtt, nb_max_next) -> None:
         """Queue predict -> select -> transfer of layer ``li`` for the next step (context
         ``seq_next``) on the pipeline's streams, after the work queued so far."""
         self._pred_seq[li][rows] = seq_next          # intent, on the compute stream (read by _begin_step)
-        step = self._step + 1
+        step = self._step_d + 1
         self.pipe.launch(li, (
             lambda _: self._predict(li, q, rows, seq_next, rtt, nb_max_next),
             lambda wf: self._select(li, rows, wf[0], wf[1], step),
             lambda adm: self._transfer(li, rows, seq_next, rtt, adm),
-        ), keep=(q, rows, seq_next, rtt))
+        ), keep=(q, rows, seq_next, rtt, step))
 
     def _measure_agreement(self, li, q, rows, seq, rtt, nb_max) -> None:
         """Measurement mode: |predicted top-K ∩ this step's own top-K| over the non-forced blocks."""

@@ -107,6 +107,8 @@ class PrefetchPipeline:
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.L = num_layers
+        self.timing = True       # record the exposed-wait timing events (off inside CUDA-graph capture)
+        self._forked = False     # stage streams used since the last drain
         self.ready: list = [None] * num_layers          # last transfer event of each layer
         self._refs: list[list] = [[] for _ in range(num_layers)]
         self._wait_events: list = [None] * num_layers   # (before, after) timing events of the last wait
@@ -124,6 +126,7 @@ class PrefetchPipeline:
         assert len(stages) == len(self.STAGES)
         refs = self._refs[layer]
         refs.extend(keep)
+        self._forked = True
         if not self.cuda:
             x = None
             for fn in stages:
@@ -149,20 +152,24 @@ class PrefetchPipeline:
             self._refs[layer].clear()
             return
         cur = torch.cuda.current_stream(self.device)
-        before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        before.record(cur)
-        cur.wait_event(ev)
-        after.record(cur)
-        self._wait_events[layer] = (before, after)
+        if self.timing:
+            before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            before.record(cur)
+            cur.wait_event(ev)
+            after.record(cur)
+            self._wait_events[layer] = (before, after)
+        else:
+            cur.wait_event(ev)
         self.ready[layer] = None
         self._refs[layer].clear()    # safe: later allocations on this stream run after the wait
 
     def drain(self) -> None:
         """Make the current stream wait for every stage stream (before freeing request rows)."""
-        if self.cuda:
+        if self.cuda and self._forked:    # (joining unused streams would break a CUDA-graph capture)
             cur = torch.cuda.current_stream(self.device)
             for s in self.streams:
                 cur.wait_stream(s)
+        self._forked = False
 
     def exposed_wait_ms(self) -> list[float]:
         """Milliseconds the compute stream stalled on each layer's transfer at its last wait.

@@ -75,7 +75,7 @@ class WorkingSet:
         self.last_used[:, rows] = 0
 
     def plan(self, layer: int, rows: torch.Tensor, wanted: torch.Tensor, forced: torch.Tensor,
-             step: int, fetch_cap: int | None) -> Admission:
+             step, fetch_cap: int | None) -> Admission:
         """Decide admissions and evictions for one layer and update the block table.
 
         Wanted blocks already resident are hits (no traffic). Missing ones are admitted in
@@ -86,7 +86,8 @@ class WorkingSet:
 
         Args:
             rows: ``[B]`` request rows. wanted / forced: ``[B, H, K]`` from ``select_blocks``.
-            step: monotonically increasing step counter (LRU clock).
+            step: monotonically increasing step counter (LRU clock): an int, or a 0-dim int64
+                device tensor (no host value needed, so the call can be captured in a CUDA graph).
         Returns:
             The admissions to copy in (``Admission``); the table already points at them.
             Runs without host synchronisation.
@@ -96,8 +97,10 @@ class WorkingSet:
         B, H, K = held.shape
         assert wanted.shape == (B, H, K), (wanted.shape, held.shape)
         valid_w = wanted >= 0
-        in_held = ((wanted[..., :, None] == held[..., None, :]) & (held >= 0)[..., None, :]).any(-1) & valid_w
-        keep = ((held[..., :, None] == wanted[..., None, :]) & valid_w[..., None, :]).any(-1) & (held >= 0)
+        # one [B, H, K, K] match of wanted (rows) against held (columns) gives both directions
+        match = (wanted[..., :, None] == held[..., None, :]) & valid_w[..., :, None] & (held >= 0)[..., None, :]
+        in_held = match.any(-1)                                     # wanted block already resident (a hit)
+        keep = match.any(-2)                                        # resident block still wanted
         missing = valid_w & ~in_held
         free = held < 0
         evictable = (held >= 0) & ~keep
@@ -120,13 +123,16 @@ class WorkingSet:
         blocks = torch.gather(wanted, -1, src_order)                # admitted blocks first, in priority order
         was_free = torch.gather(free, -1, dest_order)
         # scatter the live admissions into their slots (dead ones into a spare column K)
+        slot = torch.where(pair, dest_order, K)
         new_held = torch.cat([held, held[..., :1]], -1)
-        new_held.scatter_(-1, torch.where(pair, dest_order, K), torch.where(pair, blocks, -1))
+        new_held.scatter_(-1, slot, torch.where(pair, blocks, -1))
         new_held = new_held[..., :K]
-        # LRU clock: every slot whose block is wanted this step is "used" now
-        used = ((new_held[..., :, None] == wanted[..., None, :]) & valid_w[..., None, :]).any(-1) & (new_held >= 0)
+        # LRU clock: every slot whose block is wanted this step is "used" now: the kept ones and
+        # the admitted ones (admissions only land in free or evictable slots, never in kept ones)
+        filled = torch.zeros((B, H, K + 1), dtype=torch.bool, device=held.device).scatter_(-1, slot, pair)[..., :K]
+        used = keep | filled
         ids[rows] = new_held
-        self.last_used[layer][rows] = torch.where(used, torch.full_like(held, step), self.last_used[layer][rows])
+        self.last_used[layer][rows] = torch.where(used, step, self.last_used[layer][rows])
         return Admission(mask=pair, entry=dest_order, block=blocks,
                          evicted=(pair & ~was_free).sum(), hits=in_held.sum())
 
