@@ -17,32 +17,39 @@ import triton.language as tl
 
 from oasis_sglang.core.ops import TorchKVOps
 
-from ._common import check_range, checks_enabled, kernel_arg, next_pow2
+from ._common import check_range, checks_enabled, kernel_arg, next_pow2, num_sms
 
 reference = TorchKVOps().copy_blocks
 
 
 @triton.jit
-def _copy_blocks_kernel(DstK, DstV, SrcK, SrcV, DstIdx, SrcIdx, PK: tl.constexpr, PV: tl.constexpr,
+def _copy_blocks_kernel(DstK, DstV, SrcK, SrcV, DstIdx, SrcIdx, M, PK: tl.constexpr, PV: tl.constexpr,
                         BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
-    i = tl.program_id(0)
-    di = tl.load(DstIdx + i).to(tl.int64)
-    si = tl.load(SrcIdx + i).to(tl.int64)
-    live = di >= 0                  # dead entries of a fixed-size admission list move nothing
-    for o in tl.static_range(0, PK, BLOCK_K):
-        offs = o + tl.arange(0, BLOCK_K)
-        m = (offs < PK) & live
-        x = tl.load(SrcK + si * PK + offs, mask=m)
-        tl.store(DstK + di * PK + offs, x.to(DstK.dtype.element_ty), mask=m)
-    for o in tl.static_range(0, PV, BLOCK_V):
-        offs = o + tl.arange(0, BLOCK_V)
-        m = (offs < PV) & live
-        x = tl.load(SrcV + si * PV + offs, mask=m)
-        tl.store(DstV + di * PV + offs, x.to(DstV.dtype.element_ty), mask=m)
+    # grid-stride loop: a grid smaller than M keeps the copy to a few SMs (see ``programs``)
+    for i in range(tl.program_id(0), M, tl.num_programs(0)):
+        di = tl.load(DstIdx + i).to(tl.int64)
+        si = tl.load(SrcIdx + i).to(tl.int64)
+        live = di >= 0              # dead entries of a fixed-size admission list move nothing
+        for o in tl.static_range(0, PK, BLOCK_K):
+            offs = o + tl.arange(0, BLOCK_K)
+            m = (offs < PK) & live
+            x = tl.load(SrcK + si * PK + offs, mask=m)
+            tl.store(DstK + di * PK + offs, x.to(DstK.dtype.element_ty), mask=m)
+        for o in tl.static_range(0, PV, BLOCK_V):
+            offs = o + tl.arange(0, BLOCK_V)
+            m = (offs < PV) & live
+            x = tl.load(SrcV + si * PV + offs, mask=m)
+            tl.store(DstV + di * PV + offs, x.to(DstV.dtype.element_ty), mask=m)
 
 
-def copy_blocks(dst_k, dst_v, dst_idx, src_k, src_v, src_idx) -> None:
+def copy_blocks(dst_k, dst_v, dst_idx, src_k, src_v, src_idx, programs: int = -1) -> None:
     """Triton version of :meth:`TorchKVOps.copy_blocks` (same arguments; see there).
+
+    ``programs``: grid size; ``0`` launches one program per piece (fastest alone), a smaller
+    grid loops over the pieces so a copy that overlaps compute on another stream holds fewer
+    SM slots (a zero-copy kernel keeps its SM while it waits on the link); ``-1`` (default):
+    two per SM, the best of 16 / 64 / 264 / one-per-piece measured on the H200 for an
+    admission copy overlapping a decode step (docs/benchmarks.md).
 
     The launch runs on the device of whichever side is on CUDA (the index tensors' device).
     Raises:
@@ -65,7 +72,10 @@ def copy_blocks(dst_k, dst_v, dst_idx, src_k, src_v, src_idx) -> None:
         check_range(dst_idx[live], 0, dst_k.shape[0], "dst_idx")
         check_range(src_idx[live], 0, src_k.shape[0], "src_idx")
     PK, PV = dst_k.shape[1], dst_v.shape[1]
-    _copy_blocks_kernel[(M,)](
+    if programs < 0:
+        programs = 2 * num_sms(dev)
+    grid = M if programs == 0 else min(M, programs)
+    _copy_blocks_kernel[(grid,)](
         kernel_arg(dst_k, dev), kernel_arg(dst_v, dev), kernel_arg(src_k, dev), kernel_arg(src_v, dev),
-        dst_idx, src_idx, PK=PK, PV=PV, BLOCK_K=min(2048, next_pow2(PK)), BLOCK_V=min(2048, next_pow2(PV)),
+        dst_idx, src_idx, M, PK=PK, PV=PV, BLOCK_K=min(2048, next_pow2(PK)), BLOCK_V=min(2048, next_pow2(PV)),
         num_warps=4)

@@ -15,6 +15,12 @@ class TritonKVOps(BaseKVOps):
 
     name = "triton"
 
+    def __init__(self, copy_programs: int | None = None):
+        import os
+
+        # grid of copy_blocks (-1: two per SM, 0: one program per piece); env OASIS_COPY_PROGRAMS
+        self.copy_programs = int(os.environ.get("OASIS_COPY_PROGRAMS", -1)) if copy_programs is None else copy_programs
+
     def write_kv(self, host_k, host_v, kmin, kmax, loc, k, v, block_size, one_token_each=False, write_host=True):
         """See :meth:`BaseKVOps.write_kv`; ``one_token_each`` skips segmenting (decode)."""
         write_kv(host_k, host_v, kmin, kmax, loc, k, v, block_size, one_token_each, write_host)
@@ -26,8 +32,8 @@ class TritonKVOps(BaseKVOps):
                            recent_blocks, nb_max, k)
 
     def copy_blocks(self, dst_k, dst_v, dst_idx, src_k, src_v, src_idx):
-        """See :meth:`BaseKVOps.copy_blocks`."""
-        copy_blocks(dst_k, dst_v, dst_idx, src_k, src_v, src_idx)
+        """See :meth:`BaseKVOps.copy_blocks`; the grid is ``copy_programs`` (``kernels.copy_blocks``)."""
+        copy_blocks(dst_k, dst_v, dst_idx, src_k, src_v, src_idx, self.copy_programs)
 
     def sparse_decode_attention(self, q, ws_k, ws_v, ids, rows, seq_lens, scale, k_extra=None,
                                 v_extra=None, return_lse=False):

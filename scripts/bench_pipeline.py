@@ -281,6 +281,8 @@ def main() -> int:
     p.add_argument("--out", default="out/bench_pipeline")
     p.add_argument("--device", default="cuda", help="cpu: a functional smoke run with the torch references")
     p.add_argument("--graph", action="store_true", help="also replay each step from a CUDA graph")
+    p.add_argument("--copy-programs", type=int, nargs="+", default=[0],
+                   help="copy_blocks grid sizes to compare in graph mode (0: one program per piece)")
     p.add_argument("--profile", action="store_true", help="print a torch.profiler table of eager steps")
     args = p.parse_args()
     global DEV
@@ -310,18 +312,21 @@ def main() -> int:
     if args.graph:
         md += ["", "CUDA graph replays (no host launch cost; the exposed cost is the step minus the "
                "no-prefetch step):", "",
-               "| variant | fetch_cap | GPU ms/step | exposed vs no-prefetch | exposed transfer (vs no-transfer) | "
-               "H2D blocks/step (cap) | H2D MB/step | hit rate |", "|---|---|---|---|---|---|---|---|"]
+               "| variant | fetch_cap | copy programs | GPU ms/step | exposed vs no-prefetch | exposed transfer (vs no-transfer) | "
+               "H2D blocks/step (cap) | H2D MB/step | hit rate |", "|---|---|---|---|---|---|---|---|---|"]
         graph_rows = []
-        for cap in tqdm(args.caps, desc="graph fetch_cap"):
+        for cap, cp in tqdm([(c, p) for c in args.caps for p in args.copy_programs], desc="graph fetch_cap"):
+            eng.ops.copy_programs = cp
             rs = [run_graph_case(eng, rt, rows, layers, args, v, cap)
                   for v in ["no-prefetch", "no-transfer"] + list(args.predictors)]
+            for r in rs:
+                r["copy_programs"] = cp
             floor, no_xfer = rs[0]["gpu_ms"], rs[1]["gpu_ms"]
             for r in rs:
                 r["exposed_share"] = (r["gpu_ms"] - floor) / r["gpu_ms"]
                 r["transfer_share"] = (r["gpu_ms"] - no_xfer) / r["gpu_ms"] if r["variant"] != "no-prefetch" else 0.0
                 print(json.dumps(r), flush=True)
-                md.append(f"| {r['variant']} | {cap} | {r['gpu_ms']:.3f} | {100 * r['exposed_share']:.1f}% | "
+                md.append(f"| {r['variant']} | {cap} | {cp} | {r['gpu_ms']:.3f} | {100 * r['exposed_share']:.1f}% | "
                           f"{100 * r['transfer_share']:.1f}% | "
                           f"{r['h2d_blocks_per_step']:.0f} ({r['cap_blocks_per_step']}) | {r['h2d_MB_per_step']:.1f} | "
                           f"{r['hit_rate']:.3f} |")

@@ -201,8 +201,10 @@ def test_sparse_decode_attention_bitwise_engine_path(seed):
 
 
 # ---- 4. block copies (H2D gather, D2H write-back) ---------------------------------------------
+@pytest.mark.parametrize("programs", [0, 3])
 @pytest.mark.parametrize("direction", ["h2d", "d2h"])
-def test_copy_blocks_exact(seed, direction):
+def test_copy_blocks_exact(seed, direction, programs):
+    """One program per piece, or a 3-program grid looping over the 17 pieces."""
     piece_k, piece_v, Ns, Nd, M = 16 * 32, 16 * 24, 40, 30, 17
     host_k, host_v = host_tensor((Ns, piece_k), torch.bfloat16), host_tensor((Ns, piece_v), torch.bfloat16)
     dev_k = torch.randn(Nd, piece_k).to(torch.bfloat16).to(DEV)     # poisoned destination
@@ -218,7 +220,7 @@ def test_copy_blocks_exact(seed, direction):
     want_k, want_v = dst[0].clone().cpu(), dst[1].clone().cpu()
     want_k[di[live]] = src[0].cpu()[si[live]]
     want_v[di[live]] = src[1].cpu()[si[live]]
-    copy_blocks(dst[0], dst[1], di.to(DEV), src[0], src[1], si.to(DEV))
+    copy_blocks(dst[0], dst[1], di.to(DEV), src[0], src[1], si.to(DEV), programs=programs)
     if CUDA:
         torch.cuda.synchronize()
     assert torch.equal(dst[0].cpu(), want_k) and torch.equal(dst[1].cpu(), want_v)
