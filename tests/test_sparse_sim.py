@@ -66,3 +66,135 @@ def test_smollm2_dense_when_budget_covers_context_and_not_below(seed):
     assert torch.allclose(logits[256], logits[None], atol=2e-3, rtol=1e-3)
     assert not torch.allclose(logits[64], logits[None], atol=1e-2)
     assert sorted(cfg.agreement) == list(range(2, model.config.num_hidden_layers))
+
+
+# ---- look-ahead agreement (pass 1 records, pass 2 = batched draft rows) ----------------------
+
+def _tiny_llama(attn: str, layers: int = 4):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+                      initializer_range=0.2, attn_implementation=attn)
+    return LlamaForCausalLM(cfg).eval()
+
+
+class _Reference:
+    """Slow per-row reference of the paired forward of ONE step ``t``: the sequence is the true
+    prefix ``ids[:t+1]`` plus the draft token at position ``t+1``; every row's mask is built on its
+    own (true rows: causal, or their own selection at sparse decode rows; the draft row: the
+    blocks of row ``t``'s selection, tokens <= t, row t, itself)."""
+
+    def __init__(self, cfg: sparse_sim.SimConfig):
+        self.cfg = cfg
+        self.q_draft, self.pred, self.sel_t = {}, {}, {}
+
+    def __call__(self, module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kw):
+        c, layer = self.cfg, module.layer_idx
+        q, k, v = query[0].float(), key[0].float(), value[0].float()        # [Hq, L, D], [H, L, D]
+        Hq, L, D = q.shape
+        H, G, bs, K = k.shape[0], Hq // k.shape[0], c.block_size, c.budget_tokens // c.block_size
+        sparse = layer not in c.dense_layers
+        tok = torch.arange(L)
+        allow = torch.zeros(H, L, L, dtype=torch.bool)
+        sel = {}
+        for r in range(L):
+            if r == L - 1 and sparse:                                          # the draft row
+                for h in range(H):
+                    allow[h, r] = torch.isin(tok // bs, sel[r - 1][h][sel[r - 1][h] >= 0]) & (tok <= r - 1)
+                allow[:, r, r - 1] = allow[:, r, r] = True
+            elif r < c.prefix_len or not sparse:
+                allow[:, r] = tok <= r
+            else:
+                kmin, kmax = sparse_sim.block_summaries(k[:, :r + 1], bs)
+                sc = quest_scores(q[:, r][None], kmin[None], kmax[None])
+                w, _ = select_blocks(sc, torch.tensor([-(-(r + 1) // bs)]), torch.tensor([(r + 1) // bs]),
+                                     K, c.sink_blocks, c.recent_blocks)
+                sel[r], sel_scores = w[0], sc[0]
+                for h in range(H):
+                    allow[h, r] = torch.isin(tok // bs, w[0, h][w[0, h] >= 0]) & (tok <= r)
+        sc = torch.einsum("hgld,hmd->hglm", q.view(H, G, L, D), k) * (scaling or D ** -0.5)
+        p = torch.softmax(sc.masked_fill(~allow[:, None], float("-inf")), -1)
+        out = torch.einsum("hglm,hmd->hgld", p, v).reshape(Hq, L, -1)
+        if sparse:
+            self.sel_t[layer] = (sel_scores, sel[L - 2])                           # row t = the last true row
+            self.q_draft[layer] = q[:, L - 1]
+            kmin, kmax = sparse_sim.block_summaries(k, bs)
+            self.pred[layer] = (quest_scores(q[:, L - 1][None], kmin[None], kmax[None])[0],
+                                select_blocks(quest_scores(q[:, L - 1][None], kmin[None], kmax[None]),
+                                              torch.tensor([-(-L // bs)]), torch.tensor([L // bs]), K,
+                                              c.sink_blocks, c.recent_blocks))
+        return out.to(query.dtype).unsqueeze(0).transpose(1, 2).contiguous(), None
+
+
+def _same_topk(got: torch.Tensor, want: torch.Tensor, scores: torch.Tensor, tol: float = 1e-4) -> bool:
+    """Equal block sets per KV head, or differing only in blocks tied (within ``tol``) at the boundary."""
+    for h in range(want.shape[0]):
+        g, w = set(got[h].tolist()) - {-1}, set(want[h].tolist()) - {-1}
+        if g != w:
+            diff = [b for b in g ^ w]
+            kth = min(float(scores[h, b]) for b in w)
+            if any(abs(float(scores[h, b]) - kth) > tol * max(1.0, abs(kth)) for b in diff):
+                return False
+    return True
+
+
+def test_batched_draft_rows_equal_the_step_by_step_paired_forward(seed):
+    from transformers import AttentionInterface
+
+    model = _tiny_llama(sparse_sim.register())
+    T, P, bs = 300, 200, 8
+    ids = torch.randint(0, 96, (T,))
+    drafts = torch.randint(0, 96, (T - P - 1,))
+    res, p1, runs = sparse_sim.lookahead_agreement(
+        model, ids, P, {"random": drafts, "oracle": ids[P + 1:]}, budget_tokens=48, block_size=bs, dense_layers=(0,))
+    p2, oracle = runs["random"], runs["oracle"]
+    sparse_layers = [1, 2, 3]
+    assert sorted(p2.predicted) == sparse_layers and sorted(res["previous"]) == sparse_layers
+    ref = _Reference(p1)
+    AttentionInterface.register("oasis_sim_ref", ref)
+    model.set_attn_implementation("oasis_sim_ref")
+    for t in (P, P + 37, P + 90, T - 2):
+        i = t - P
+        with torch.inference_mode():
+            model(torch.cat([ids[:t + 1], drafts[i:i + 1]])[None], use_cache=False)
+        for layer in sparse_layers:
+            assert _same_topk(p1.selected[layer][0][i], ref.sel_t[layer][1], ref.sel_t[layer][0])  # pass 1's S_t
+            assert torch.allclose(p2.draft_queries[layer][i], ref.q_draft[layer], atol=1e-4, rtol=1e-4), (t, layer)
+            scores, (want, _) = ref.pred[layer]
+            assert _same_topk(p2.predicted[layer][0][i], want[0], scores), (t, layer)
+            # previous: step t's normal query, selecting for step t + 1
+            kmin, kmax = sparse_sim.block_summaries(p1.kv[layer][0].float(), bs)
+            sc = quest_scores(p1.queries[layer][i][None], kmin[None], kmax[None])
+            want, _ = select_blocks(sc[..., :-(-(t + 2) // bs)], torch.tensor([-(-(t + 2) // bs)]),
+                                    torch.tensor([(t + 2) // bs]), 6, 1, 2)
+            assert _same_topk(sparse_sim.previous_prediction(p1, layer, T - P - 1)[0][i], want[0], sc[0]), (t, layer)
+    # the oracle draft's query at the first sparse layer is the true token's (dense layers below)
+    assert torch.allclose(oracle.draft_queries[1], p1.queries[1][1:], atol=1e-5)
+    assert res["lookahead-oracle"][1][0] / res["lookahead-oracle"][1][1] > 0.999
+    for pred in res.values():
+        for s, n in pred.values():
+            assert n == (T - P - 1) * 2 and 0 <= s / n <= 1
+
+
+def test_oracle_lookahead_agreement_is_one_when_the_budget_covers_the_context(seed):
+    model = _tiny_llama(sparse_sim.register(), layers=3)
+    T, P = 260, 180
+    ids = torch.randint(0, 96, (T,))
+    res, p1, runs = sparse_sim.lookahead_agreement(model, ids, P, {"oracle": ids[P + 1:]}, budget_tokens=512,
+                                                   block_size=8, dense_layers=(0,))
+    for layer, (s, n) in res["lookahead-oracle"].items():
+        assert n > 0 and s / n == 1.0
+    for layer, q in runs["oracle"].draft_queries.items():      # everything selected: the draft row = the true row
+        assert torch.allclose(q, p1.queries[layer][1:], atol=1e-5)
+
+
+def test_ngram_drafter_continues_a_periodic_sequence():
+    ids = [5, 6, 7, 8, 9] * 12
+    d = sparse_sim.ngram_drafts(ids, 0, len(ids) - 1)
+    assert d[:5] == [5, 6, 7, 8, 9]                               # no earlier match yet: repeat the last token
+    assert d[5:] == ids[6:]                                       # from the 2nd period on, always the continuation
+    # the longest suffix wins over a more recent shorter match; the most recent match of that length
+    ids = [1, 2, 3, 9, 7, 3, 4, 2, 3, 5, 1, 2, 3]
+    assert sparse_sim.ngram_drafts(ids, len(ids) - 1, len(ids)) == [9]
+    assert sparse_sim.ngram_drafts([3, 1, 5, 3, 2, 6, 0, 3], 7, 8) == [2]    # (3,) seen at 0 and 3: the later
