@@ -76,7 +76,7 @@ def oasis_full_triton(model):
 
 @pytest.fixture(scope="module")
 def oasis_512(model):
-    srv = _server(model, 0, oasis_args(**NEEDLE_CFG), "oasis_512")
+    srv = _server(model, 0, oasis_args(**NEEDLE_CFG) + ["--enable-metrics"], "oasis_512")
     yield srv
     srv.stop()
 
@@ -158,6 +158,21 @@ def test_needle_budget_512(dense, oasis_512, tok, tokens, depth):
     assert p.answer in o, f"oasis (budget 512) lost the needle that dense found: {o!r}"
     res = parse_residency(oasis_512.residency_lines()[-1])
     assert res["budget"] == 512 and max(res["device"]) <= 512
+
+
+def test_prometheus_metrics(oasis_512, tok):
+    """``--enable-metrics``: the OasisKV counters sit beside SGLang's at ``/metrics`` and count
+    the blocks the decode log line reports."""
+    chat(oasis_512.url, needle.build(tok, 2048, 0.5).messages, max_tokens=8)
+    text = requests.get(oasis_512.url + "/metrics", timeout=60).text
+    vals = {}
+    for line in text.splitlines():
+        if line.startswith("sglang:oasis_") and not line.startswith("#"):
+            name, val = line.rsplit(" ", 1)
+            vals[name.split("{")[0]] = float(val)
+    assert "sglang:num_running_reqs" in text, "SGLang's own metrics are there too"
+    assert vals.get("sglang:oasis_admitted_blocks_total", 0) > 0, sorted(vals)
+    assert vals["sglang:oasis_h2d_bytes_total"] > 0 and 0 <= vals["sglang:oasis_hit_rate"] <= 1
 
 
 def test_overlong_prompt_gets_400_and_server_keeps_serving(oasis_512, tok):

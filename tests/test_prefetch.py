@@ -261,3 +261,32 @@ def test_predictor_registry_and_config():
         OasisConfig(predictor="oracle")
     with pytest.raises(OasisConfigError, match="'measure_agreement'"):
         OasisConfig(measure_agreement="yes")
+
+
+@pytest.mark.parametrize("predictor", ["previous", "current"])
+def test_chunked_prefill_then_decode_is_exact(seed, predictor):
+    """A prefill in two chunks (the second with the first as cached prefix), then decode, with a
+    budget covering the context: every output equals dense attention. (Regression: the first
+    chunk's prediction admits the next block empty; the second chunk fills it in the host tier
+    only, so the resident copy must be dropped.)"""
+    eng = _engine(64, predictor)
+    run = Run(eng, [2], 20, 40)
+    rows, B = run.rows, 1
+    n1, n2 = 20, 29
+    for l in eng.sparse_layers:
+        for lo, hi in ((0, n1), (n1, n2)):
+            locs = run.rt[rows, lo:hi].reshape(-1).long()
+            k, v = run.K[l][:, lo:hi].reshape(-1, H, D), run.V[l][:, lo:hi].reshape(-1, H, D)
+            eng.write_kv(l, locs, k, v)
+            o = eng.extend_attention(l, run.Q[l][:, lo:hi].reshape(-1, HQ, D), rows, torch.tensor([lo]),
+                                     torch.tensor([hi - lo]), run.rt, None, k, v)
+            ref = torch.stack([decode_attention(run.Q[l][0, t], run.K[l][0, :t + 1], run.V[l][0, :t + 1], None)
+                               for t in range(lo, hi)])
+            torch.testing.assert_close(o, ref, rtol=1e-5, atol=1e-5)
+    run.t = n2
+    for _ in range(6):
+        t = run.t
+        outs = run.step()
+        for l in eng.sparse_layers:
+            ref = decode_attention(run.Q[l][0, t], run.K[l][0, :t + 1], run.V[l][0, :t + 1], None)
+            torch.testing.assert_close(outs[l][0], ref, rtol=1e-5, atol=1e-5)

@@ -38,7 +38,10 @@ def test_oasis_sets_dependent_defaults(model):
     (dict(kv_sparse_config='{"budget": 512}'), "budget"),
     (dict(page_size=4), "--page-size"),
     (dict(attention_backend="flashinfer"), "--attention-backend"),
-    (dict(speculative_algorithm="EAGLE3"), "--speculative-algorithm"),
+    (dict(speculative_algorithm="NGRAM"), "--speculative-algorithm"),
+    (dict(speculative_algorithm="EAGLE3", speculative_num_draft_tokens=4), "--speculative-num-draft-tokens"),
+    (dict(speculative_algorithm="EAGLE3", speculative_eagle_topk=2), "--speculative-eagle-topk"),
+    (dict(kv_sparse_config='{"predictor": "lookahead"}'), "predictor"),
     (dict(enable_mixed_chunk=True), "--enable-mixed-chunk"),
     (dict(kv_cache_dtype="fp8_e4m3"), "--kv-cache-dtype"),
 ])

@@ -168,6 +168,12 @@ class OasisSparseKV:
             out[start:start + ext] = attn.prefill_attention(q[start:start + ext], k.to(q.device), v.to(q.device), pre, scale)
             start += ext
         self._prefilled = True
+        if len(ext_c):
+            # blocks these tokens went into reach the host tier only: a resident copy (a block
+            # admitted empty as the next token's, or by an earlier chunk) is stale from here on
+            self.pipe.wait(li)
+            self.ws.drop_blocks_from(li, rows.to(self.device, torch.int64),
+                                     torch.tensor([p // self.bs for p in pre_c], device=self.device))
         if self.predictor.asynchronous and len(ext_c):
             # the first decode step's working set, predicted from the last prompt token's query
             last = torch.tensor(ext_c, device=self.device).cumsum(0) - 1

@@ -74,6 +74,12 @@ class WorkingSet:
         self.ids[:, rows] = -1
         self.last_used[:, rows] = 0
 
+    def drop_blocks_from(self, layer: int, rows: torch.Tensor, first_block: torch.Tensor) -> None:
+        """Free the slots of blocks ``>= first_block[b]`` of request row ``rows[b]`` (``[B]``):
+        a prefill chunk rewrote them in the host tier, so resident copies are stale."""
+        ids = self.ids[layer][rows]                                         # [B, H, K]
+        self.ids[layer][rows] = torch.where(ids >= first_block[:, None, None], -1, ids)
+
     def plan(self, layer: int, rows: torch.Tensor, wanted: torch.Tensor, forced: torch.Tensor,
              step, fetch_cap: int | None) -> Admission:
         """Decide admissions and evictions for one layer and update the block table.

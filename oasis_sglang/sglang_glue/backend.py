@@ -28,8 +28,9 @@ class OasisAttnBackend(AttentionBackend):
     """
 
     def __init__(self, inner: AttentionBackend, engine: OasisSparseKV, pool, req_to_token_pool,
-                 log_interval: int = 40):
+                 log_interval: int = 40, metrics=None):
         super().__init__()
+        self.metrics = metrics
         self.inner, self.engine, self.pool, self.req_to_token_pool = inner, engine, pool, req_to_token_pool
         self.token_to_kv_pool = pool
         self.log_interval = max(1, int(log_interval))
@@ -55,9 +56,14 @@ class OasisAttnBackend(AttentionBackend):
             self.engine.write_kv(layer.layer_id, forward_batch.out_cache_loc, k, v, decode=decode)
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
-        """Prefill: ``q [T, Hq*D]``, ``k/v [T, H*D]`` -> ``[T, Hq*Dv]``; sparse layers via OasisKV, others via the wrapped backend."""
+        """Prefill: ``q [T, Hq*D]``, ``k/v [T, H*D]`` -> ``[T, Hq*Dv]``; sparse layers via OasisKV, others via the wrapped backend.
+
+        A TARGET_VERIFY batch (speculative decoding) is the paired forward: see ``_forward_verify``.
+        """
         if not self.engine.is_sparse(layer.layer_id):
             return self.inner.forward_extend(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
+        if forward_batch.forward_mode.is_target_verify():
+            return self._forward_verify(q, k, v, layer, forward_batch, save_kv_cache)
         self._write(layer, forward_batch, k, v, save_kv_cache, decode=False)
         q_ = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)
         H = layer.tp_k_head_num
@@ -81,11 +87,42 @@ class OasisAttnBackend(AttentionBackend):
             self._maybe_log()
         return o.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
 
+    def _forward_verify(self, q, k, v, layer, forward_batch, save_kv_cache):
+        """The paired forward: ``q [2B, Hq*D]``, ``k/v [2B, H*D]`` hold per request the token being
+        decoded (row 0, position ``seq_lens``) and the draft token (row 1, position ``seq_lens+1``);
+        returns ``[2B, Hq*Dv]``. Row 0 is a normal decode step; row 1 attends over the same
+        working set plus row 0 and itself, and its query predicts the next step's blocks. The
+        draft's K/V are not written (``spec_probe``: the draft is never accepted).
+
+        Raises:
+            RuntimeError: a verify batch with other than 2 tokens per request (the server-args
+                check allows only ``--speculative-num-draft-tokens 2`` with topk 1).
+        """
+        n = forward_batch.spec_info.draft_token_num
+        if n != 2:
+            raise RuntimeError(f"OasisKV: the paired forward needs 2 verify tokens per request, got {n}")
+        Hq, H, D, Dv = layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim, layer.v_head_dim
+        q2, k2, v2 = q.view(-1, 2, Hq, D), k.view(-1, 2, H, D), v.view(-1, 2, H, Dv)
+        if save_kv_cache:
+            self.engine.write_kv(layer.layer_id, forward_batch.out_cache_loc.view(-1, 2)[:, 0], k2[:, 0], v2[:, 0],
+                                 decode=True)
+        mx = _max_seq_len(forward_batch)
+        o = self.engine.decode_attention(
+            layer.layer_id, q2[:, 0], k2[:, 0], v2[:, 0], forward_batch.req_pool_indices, forward_batch.seq_lens + 1,
+            self.req_to_token_pool.req_to_token, layer.scaling, None if mx is None else mx + 1,
+            q_draft=q2[:, 1], k_draft=k2[:, 1], v_draft=v2[:, 1])
+        if layer.layer_id == self.last_sparse_layer:
+            self._maybe_log()
+        return o.reshape(-1, Hq * Dv)
+
     def _maybe_log(self):
         """Log on the first decode step of a request and every ``log_interval`` decode steps."""
         s = self.engine.stats
         if s.new_request_started or s.decode_steps % self.log_interval == 0:
-            logger.info(format_residency(self.engine.residency()))
+            r = self.engine.residency()
+            logger.info(format_residency(r))
+            if self.metrics is not None:
+                self.metrics.update(r)
 
 
 def _max_seq_len(forward_batch) -> int | None:
@@ -124,8 +161,8 @@ def _min(xs):
 def init_attention_backends_hook(result, model_runner, *args, **kwargs):
     """AFTER ``ModelRunner.init_attention_backends``: build the OasisKV state and wrap backends."""
     sa = model_runner.server_args
-    if getattr(sa, "kv_sparse", "none") != "oasis":
-        return result
+    if getattr(sa, "kv_sparse", "none") != "oasis" or getattr(model_runner, "is_draft_worker", False):
+        return result                       # the draft model keeps SGLang's own KV cache and backend
     from .pool import OasisKVPool
 
     cfg = OasisConfig.from_json(sa.kv_sparse_config)
@@ -148,18 +185,26 @@ def init_attention_backends_hook(result, model_runner, *args, **kwargs):
     from oasis_sglang.kernels import get_kv_ops
 
     ops = get_kv_ops(cfg.kernel_backend(torch.device(model_runner.device).type))
-    predictor = cfg.predictor_for(has_draft=bool(getattr(sa, "speculative_algorithm", None)))
+    has_draft = bool(getattr(sa, "speculative_algorithm", None))
+    predictor = cfg.predictor_for(has_draft=has_draft)
+    if has_draft:
+        from . import spec_probe
+
+        spec_probe.activate()
     engine = OasisSparseKV(cfg, **dims, dtype=pool.dtype, device=model_runner.device, ops=ops, predictor=predictor)
     pool.oasis = engine
     rtp._oasis = engine
     interval = getattr(sa, "decode_log_interval", 40) or 40
+    from .metrics import make_metrics
+
+    metrics = make_metrics(sa)
     wrapped = {}
 
     def wrap(b):
         if b is None:
             return None
         if id(b) not in wrapped:
-            wrapped[id(b)] = OasisAttnBackend(b, engine, pool, rtp, interval)
+            wrapped[id(b)] = OasisAttnBackend(b, engine, pool, rtp, interval, metrics)
         return wrapped[id(b)]
 
     model_runner.attn_backend = wrap(model_runner.attn_backend)

@@ -69,8 +69,8 @@ class OasisKVPool(MHATokenToKVPool):
 def build_mha_kv_pool_hook(original, self, *args, **kwargs):
     """AROUND ``KVCacheConfigurator._build_mha_kv_pool``: OasisKVPool when ``--kv-sparse oasis``."""
     sa = self.server_args
-    if getattr(sa, "kv_sparse", "none") != "oasis":
-        return original(self, *args, **kwargs)
+    if getattr(sa, "kv_sparse", "none") != "oasis" or getattr(self, "is_draft_worker", False):
+        return original(self, *args, **kwargs)      # the draft model keeps SGLang's own pool
     import functools
 
     cfg = OasisConfig.from_json(sa.kv_sparse_config)

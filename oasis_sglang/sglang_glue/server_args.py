@@ -16,6 +16,7 @@ logger = logging.getLogger(__name__)
 
 SUPPORTED_ATTENTION_BACKENDS = ("torch_native", "triton")
 DEFAULT_MAX_RUNNING_REQUESTS = 64
+PAIRED_FORWARD_ALGORITHMS = ("EAGLE3", "EAGLE")
 
 
 def _is_cpu(args) -> bool:
@@ -67,8 +68,19 @@ def handle_kv_sparse_args(args) -> OasisConfig:
         args.page_size = cfg.block_size
     elif args.page_size != cfg.block_size:
         bad("--page-size", f"{args.page_size} is incompatible with block_size {cfg.block_size}: they must be equal")
-    if getattr(args, "speculative_algorithm", None):
-        bad("--speculative-algorithm", "is not supported yet (the look-ahead pipeline is a later milestone)")
+    spec = getattr(args, "speculative_algorithm", None)
+    if spec:
+        # the draft is the look-ahead probe: one draft token beside the normal one (paired forward)
+        if str(spec).upper() not in PAIRED_FORWARD_ALGORITHMS:
+            bad("--speculative-algorithm", f"{spec!r} is not supported (supported: {', '.join(PAIRED_FORWARD_ALGORITHMS)}: "
+                "the draft token rides the verify pass as the look-ahead probe)")
+        for flag, want in (("speculative_num_steps", 1), ("speculative_eagle_topk", 1), ("speculative_num_draft_tokens", 2)):
+            val = getattr(args, flag, None)
+            if val is None:
+                setattr(args, flag, want)
+            elif val != want:
+                bad("--" + flag.replace("_", "-"), f"must be {want} (one draft token beside the normal one), got {val}")
+    cfg.predictor_for(has_draft=bool(spec))            # 'predictor' vs the draft source, before loading
     if str(getattr(args, "kv_cache_dtype", "auto")) not in ("auto", "bfloat16", "float16", "bf16", "fp16"):
         bad("--kv-cache-dtype", f"{args.kv_cache_dtype!r} is not supported (auto, bfloat16 or float16)")
     for flag in ("enable_hierarchical_cache", "enable_hisparse", "enable_mixed_chunk", "enable_dp_attention"):
