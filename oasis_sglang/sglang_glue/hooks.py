@@ -41,6 +41,16 @@ HOOKS: tuple[Hook, ...] = (
     Hook("sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator.alloc_decode", "AROUND",
          "oasis_sglang.sglang_glue.cpu_allocator:alloc_decode_hook",
          "page_size = block_size on CPU: SGLang's paged allocator is Triton-only"),
+    # EAGLE on the CPU engine (any --kv-sparse; no-ops unless needed: see spec_fix.py)
+    Hook("sglang.srt.layers.attention.intel_amx_backend.IntelAMXAttnBackend.forward_extend", "AROUND",
+         "oasis_sglang.sglang_glue.spec_fix:forward_extend_hook",
+         "0.5.17 bug (intel_amx_backend.py:216): the target-verify pass must see seq_lens + draft tokens"),
+    Hook("sglang.srt.layers.attention.intel_amx_backend.IntelAMXAttnBackend.forward_decode", "AROUND",
+         "oasis_sglang.sglang_glue.spec_fix:forward_decode_hook",
+         "0.5.17 bug (intel_amx_backend.py:262): multi-step draft decode must see its per-candidate seq_lens"),
+    Hook("sglang.srt.arg_groups.overrides._attention_backend_platform_fallbacks", "AROUND",
+         "oasis_sglang.sglang_glue.spec_fix:platform_fallback_hook",
+         "keep intel_amx (torch ops) for speculative decoding on a CPU without AMX: EAGLE has no torch_native backend"),
 )
 
 _registered = False
@@ -69,7 +79,9 @@ def unresolved_targets() -> list[str]:
 def register() -> None:
     """Entry point of the ``sglang.srt.plugins`` group: register every hook in ``HOOKS``.
 
-    Hooks are inert unless ``--kv-sparse oasis`` is set: each one checks the server args.
+    The OasisKV hooks are inert unless ``--kv-sparse oasis`` is set (each one checks the server
+    args); the EAGLE-on-CPU hooks (``spec_fix``) act only on the CPU engine's ``intel_amx``
+    backend with speculative decoding.
     """
     global _registered
     if _registered:
