@@ -51,7 +51,8 @@ class OasisConfig:
             ``"lookahead"`` (the speculative draft token's query; needs
             ``--speculative-algorithm``), ``"previous"`` (this step's query), ``"current"``
             (synchronous, on the critical path) or ``"auto"`` (lookahead with a draft, else
-            previous). Default "auto".
+            current: without a draft, the one-step-late ``previous`` query loses needles that
+            ``current`` finds at budget 512 on SmolLM2, docs/benchmarks.md). Default "auto".
         measure_agreement: also score each step's own query and record, per layer, how much of
             its top-K the prediction held (costs the synchronous scoring; measurement only).
             Default false.
@@ -124,7 +125,7 @@ class OasisConfig:
             OasisConfigError: ``predictor="lookahead"`` without a draft source.
         """
         if self.predictor == "auto":
-            return "lookahead" if has_draft else "previous"
+            return "lookahead" if has_draft else "current"
         if self.predictor == "lookahead" and not has_draft:
             raise OasisConfigError(
                 "kv_sparse_config: 'predictor' is \"lookahead\" but no draft runs beside the normal "

@@ -281,8 +281,9 @@ def main() -> int:
     p.add_argument("--out", default="out/bench_pipeline")
     p.add_argument("--device", default="cuda", help="cpu: a functional smoke run with the torch references")
     p.add_argument("--graph", action="store_true", help="also replay each step from a CUDA graph")
-    p.add_argument("--copy-programs", type=int, nargs="+", default=[0],
-                   help="copy_blocks grid sizes to compare in graph mode (0: one program per piece)")
+    p.add_argument("--copy-programs", type=int, nargs="+", default=[-1],
+                   help="copy_blocks grid sizes to compare in graph mode (0: one program per piece, "
+                        "-1: the default, two per SM)")
     p.add_argument("--profile", action="store_true", help="print a torch.profiler table of eager steps")
     args = p.parse_args()
     global DEV

@@ -81,16 +81,16 @@ def oasis_512(model):
     srv.stop()
 
 
-def generate_ids(url, input_ids, n, top2=False):
+def generate_ids(url, input_ids, n, top2=False, meta=False):
     r = requests.post(url + "/generate", json={
         "input_ids": input_ids, "return_logprob": True, "top_logprobs_num": 2 if top2 else 0,
         "sampling_params": {"temperature": 0, "max_new_tokens": n, "ignore_eos": True}}, timeout=900)
     r.raise_for_status()
-    meta = r.json()["meta_info"]
-    ids = [t[1] for t in meta["output_token_logprobs"]]
+    info = r.json()["meta_info"]
+    ids = [t[1] for t in info["output_token_logprobs"]]
     if top2:   # log-probability gap between the best and second-best token at each step
-        return ids, [t[0][0] - t[1][0] for t in meta["output_top_logprobs"]]
-    return ids
+        return ids, [t[0][0] - t[1][0] for t in info["output_top_logprobs"]]
+    return (ids, info) if meta else ids
 
 
 def chat(url, messages, max_tokens=24):

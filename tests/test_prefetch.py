@@ -254,7 +254,7 @@ def test_predictor_registry_and_config():
     assert set(PREDICTORS) == {"lookahead", "previous", "current"}
     assert get_predictor("current").asynchronous is False
     assert OasisConfig().predictor_for(True) == "lookahead"
-    assert OasisConfig().predictor_for(False) == "previous"
+    assert OasisConfig().predictor_for(False) == "current"
     with pytest.raises(OasisConfigError, match="'predictor'.*speculative"):
         OasisConfig(predictor="lookahead").predictor_for(False)
     with pytest.raises(OasisConfigError, match="'predictor'"):

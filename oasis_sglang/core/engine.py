@@ -56,7 +56,7 @@ class OasisSparseKV:
         ops: the kernels (``core.ops.BaseKVOps``); default the torch references. The glue
             passes ``oasis_sglang.kernels.get_kv_ops("triton")`` on CUDA.
         predictor: ``core.prefetch`` predictor name; default ``cfg.predictor`` (``"auto"``:
-            ``"previous"``; the glue resolves it with ``cfg.predictor_for``).
+            ``"current"``; the glue resolves it with ``cfg.predictor_for``).
     Raises:
         OasisConfigError: a dense layer index is out of range.
     """
@@ -66,7 +66,7 @@ class OasisSparseKV:
                  device: torch.device | str, ops: BaseKVOps | None = None, predictor: str | None = None):
         cfg.check_model(num_layers)
         if predictor is None:
-            predictor = "previous" if cfg.predictor == "auto" else cfg.predictor
+            predictor = "current" if cfg.predictor == "auto" else cfg.predictor
         self.predictor = get_predictor(predictor)
         self.ops = ops if ops is not None else TorchKVOps()
         self.cfg, self.device, self.bs = cfg, torch.device(device), cfg.block_size

@@ -66,3 +66,14 @@ def alloc_decode_hook(original, self, seq_lens, seq_lens_cpu, last_loc):
     out, n = alloc_decode_torch(seq_lens, last_loc, self.free_pages, self.page_size)
     self.free_pages = self.free_pages[n:]
     return out
+
+
+def get_last_loc_hook(original, req_to_token, req_pool_indices_tensor, prefix_lens_tensor, *args, **kwargs):
+    """AROUND ``mem_cache.allocation.get_last_loc``: SGLang picks the Triton kernel for every
+    attention backend but torch_native/ascend; on CPU (EAGLE runs on intel_amx there) use
+    SGLang's own torch version, ``get_last_loc_torch``."""
+    if req_to_token.device.type != "cpu":
+        return original(req_to_token, req_pool_indices_tensor, prefix_lens_tensor, *args, **kwargs)
+    from sglang.srt.mem_cache.allocation import get_last_loc_torch
+
+    return get_last_loc_torch(req_to_token, req_pool_indices_tensor, prefix_lens_tensor)

@@ -41,6 +41,9 @@ HOOKS: tuple[Hook, ...] = (
     Hook("sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator.alloc_decode", "AROUND",
          "oasis_sglang.sglang_glue.cpu_allocator:alloc_decode_hook",
          "page_size = block_size on CPU: SGLang's paged allocator is Triton-only"),
+    Hook("sglang.srt.mem_cache.allocation.get_last_loc", "AROUND",
+         "oasis_sglang.sglang_glue.cpu_allocator:get_last_loc_hook",
+         "page_size > 1 on CPU with EAGLE (intel_amx): SGLang dispatches get_last_loc to Triton"),
     # EAGLE on the CPU engine (any --kv-sparse; no-ops unless needed: see spec_fix.py)
     Hook("sglang.srt.layers.attention.intel_amx_backend.IntelAMXAttnBackend.forward_extend", "AROUND",
          "oasis_sglang.sglang_glue.spec_fix:forward_extend_hook",
@@ -51,6 +54,13 @@ HOOKS: tuple[Hook, ...] = (
     Hook("sglang.srt.arg_groups.overrides._attention_backend_platform_fallbacks", "AROUND",
          "oasis_sglang.sglang_glue.spec_fix:platform_fallback_hook",
          "keep intel_amx (torch ops) for speculative decoding on a CPU without AMX: EAGLE has no torch_native backend"),
+    # the draft token as OasisKV's look-ahead probe (inert unless --kv-sparse oasis runs with a draft)
+    Hook("sglang.srt.speculative.eagle_utils.verify_tree_greedy_func", "AROUND",
+         "oasis_sglang.sglang_glue.spec_probe:verify_tree_greedy_hook",
+         "probe mode: reject every draft (its K/V are not kept), so output equals plain greedy decoding"),
+    Hook("sglang.srt.speculative.eagle_utils.eagle_sample", "AROUND",
+         "oasis_sglang.sglang_glue.spec_probe:eagle_sample_hook",
+         "probe mode: verify greedily, so rejection sampling cannot accept a draft whose K/V are not kept"),
 )
 
 _registered = False

@@ -14,9 +14,9 @@ from ..config import OasisConfig, OasisConfigError
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_ATTENTION_BACKENDS = ("torch_native", "triton")
+SUPPORTED_ATTENTION_BACKENDS = ("torch_native", "triton", "intel_amx")   # intel_amx: CPU (EAGLE needs it there)
 DEFAULT_MAX_RUNNING_REQUESTS = 64
-PAIRED_FORWARD_ALGORITHMS = ("EAGLE3", "EAGLE")
+PAIRED_FORWARD_ALGORITHMS = ("EAGLE3", "EAGLE", "STANDALONE")
 
 
 def _is_cpu(args) -> bool:
@@ -62,13 +62,16 @@ def handle_kv_sparse_args(args) -> OasisConfig:
         val = getattr(args, flag, None)
         if val is not None and val not in SUPPORTED_ATTENTION_BACKENDS:
             bad("--" + flag.replace("_", "-"), f"{val!r} is not supported (supported: {', '.join(SUPPORTED_ATTENTION_BACKENDS)})")
+    spec = getattr(args, "speculative_algorithm", None)
     if args.attention_backend is None:
-        args.attention_backend = "torch_native" if cpu else "triton"
+        # SGLang's EAGLE has no torch_native backend; on CPU it runs on intel_amx (torch ops)
+        args.attention_backend = ("intel_amx" if spec else "torch_native") if cpu else "triton"
+    if args.attention_backend == "intel_amx" and not cpu:
+        bad("--attention-backend", "'intel_amx' is the CPU engine's backend (use triton on CUDA)")
     if args.page_size is None:
         args.page_size = cfg.block_size
     elif args.page_size != cfg.block_size:
         bad("--page-size", f"{args.page_size} is incompatible with block_size {cfg.block_size}: they must be equal")
-    spec = getattr(args, "speculative_algorithm", None)
     if spec:
         # the draft is the look-ahead probe: one draft token beside the normal one (paired forward)
         if str(spec).upper() not in PAIRED_FORWARD_ALGORITHMS:

@@ -1,0 +1,103 @@
+"""End to end: the look-ahead prefetch driven by a speculative draft, on real SGLang + SmolLM2.
+
+SGLang's verify pass (``--speculative-num-steps 1 --speculative-eagle-topk 1
+--speculative-num-draft-tokens 2``) is OasisKV's paired forward: the draft row's query predicts
+the next step's working set, and the draft is a probe that is never accepted
+(``sglang_glue/spec_probe.py``). On CPU SGLang's speculative workers run on the ``intel_amx``
+backend with the torch ops of ``oasis_sglang/cpu_ops.py``.
+
+(a) EAGLE-3 with a random-weight draft head, predictor ``lookahead``, ``fetch_cap`` unbounded,
+    budget >= context: greedy output identical to dense SGLang (and so to the synchronous
+    ``current`` predictor, which tests/test_e2e.py ties to dense); one verify pass per token.
+(b) a draft that predicts well (SGLang's STANDALONE algorithm with SmolLM2 as its own draft
+    model: the draft token is the model's own greedy next token, what a trained EAGLE-3 head
+    approximates) at budget 512: the needle cases dense answers are answered too. A random
+    draft head gives no useful look-ahead (docs/benchmarks.md), so (b) does not use it.
+
+A separate module from tests/test_e2e.py so that module's servers are stopped first: SGLang sizes
+its CPU KV pool from the memory available at start-up.
+"""
+
+import concurrent.futures as cf
+
+import pytest
+
+from oasis_sglang import needle
+from oasis_sglang.models import prepare_smollm2_eagle3
+from oasis_sglang.sglang_glue.launch import base_args, parse_residency
+from test_e2e import NEEDLE_CASES, NEEDLE_CFG, _exact_prompts, _server, chat, generate_ids
+
+pytestmark = pytest.mark.e2e
+PAIRED = ["--speculative-num-steps", "1", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "2"]
+
+
+def _spec_server(model, algorithm, draft, cfg, name):
+    from oasis_sglang.sglang_glue.launch import oasis_args
+
+    args = [("intel_amx" if a == "torch_native" else a) for a in base_args()]
+    return _server(model, 0, args + ["--speculative-algorithm", algorithm, "--speculative-draft-model-path", str(draft)]
+                   + PAIRED + oasis_args(**cfg), name)
+
+
+@pytest.fixture(scope="module")
+def model():
+    from oasis_sglang.models import prepare_smollm2
+
+    return str(prepare_smollm2())
+
+
+@pytest.fixture(scope="module")
+def tok(model):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model)
+
+
+@pytest.fixture(scope="module")
+def dense(model):
+    srv = _server(model, 0, [], "dense_lookahead")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def eagle_full(model):
+    srv = _spec_server(model, "EAGLE3", prepare_smollm2_eagle3(),
+                       {"budget_tokens": 4096, "fetch_cap": None, "kernels": "torch"}, "oasis_eagle_full")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def self_draft_512(model):
+    srv = _spec_server(model, "STANDALONE", model, NEEDLE_CFG, "oasis_self_draft_512")
+    yield srv
+    srv.stop()
+
+
+def test_lookahead_is_exact_when_budget_covers_context(dense, eagle_full, tok):
+    prompts = _exact_prompts(tok)
+    n_new = 24
+    with cf.ThreadPoolExecutor(len(prompts)) as ex:     # sent together: verify passes run batched
+        ref = list(ex.map(lambda p: generate_ids(dense.url, p, n_new), prompts))
+        got = list(ex.map(lambda p: generate_ids(eagle_full.url, p, n_new, meta=True), prompts))
+    for p, r, (g, info) in zip(prompts, ref, got):
+        assert g == r, f"prompt of {len(p)} tokens: oasis+EAGLE-3 {g} != dense {r}"
+        assert info.get("spec_verify_ct") == n_new - 1, info      # a verify pass per token: no draft accepted
+    lines = eagle_full.residency_lines()
+    assert lines and "predictor: lookahead" in lines[-1] and "synchronous steps: 0" in lines[-1], lines[-1:]
+    log = eagle_full.log()
+    assert "lookahead predictor" in log and "leak" not in log.lower()
+
+
+@pytest.mark.parametrize("tokens,depth", NEEDLE_CASES)
+def test_needle_budget_512_with_lookahead(dense, self_draft_512, tok, tokens, depth):
+    p = needle.build(tok, tokens, depth)
+    d = chat(dense.url, p.messages)
+    assert p.answer in d, f"dense failed on this case ({tokens}, {depth}): {d!r}; pick another case"
+    o = chat(self_draft_512.url, p.messages)
+    assert p.answer in o, f"oasis (budget 512, lookahead) lost the needle that dense found: {o!r}"
+    line = self_draft_512.residency_lines()[-1]
+    res = parse_residency(line)
+    assert res["budget"] == 512 and max(res["device"]) <= 512
+    assert "predictor: lookahead" in line and "synchronous steps: 0" in line
