@@ -122,16 +122,23 @@ class OasisConfig:
         """The predictor name for a server with (``has_draft``) or without speculative decoding.
 
         Raises:
-            OasisConfigError: ``predictor="lookahead"`` without a draft source.
+            OasisConfigError: ``predictor="lookahead"`` without a draft source, or
+                ``measure_agreement`` with the synchronous ``current`` predictor.
         """
-        if self.predictor == "auto":
-            return "lookahead" if has_draft else "current"
-        if self.predictor == "lookahead" and not has_draft:
+        name = self.predictor
+        if name == "auto":
+            name = "lookahead" if has_draft else "current"
+        if name == "lookahead" and not has_draft:
             raise OasisConfigError(
                 "kv_sparse_config: 'predictor' is \"lookahead\" but no draft runs beside the normal "
-                "token; add --speculative-algorithm EAGLE3 (or NGRAM) --speculative-num-steps 1 "
-                "--speculative-eagle-topk 1 --speculative-num-draft-tokens 2, or use \"previous\"")
-        return self.predictor
+                "token; add --speculative-algorithm EAGLE3 (or EAGLE, or STANDALONE with a small "
+                "draft model), or use \"previous\"")
+        if self.measure_agreement and name == "current":
+            raise OasisConfigError(
+                "kv_sparse_config: 'measure_agreement' compares a prediction made a step ahead with the "
+                "step's own top-K; the \"current\" predictor makes none (use \"previous\" or a draft "
+                "with \"lookahead\")")
+        return name
 
     def kernel_backend(self, device_type: str) -> str:
         """The ops backend for a device type (``"cuda"``, ``"cpu"``): resolves ``"auto"``.

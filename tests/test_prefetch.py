@@ -290,3 +290,41 @@ def test_chunked_prefill_then_decode_is_exact(seed, predictor):
         for l in eng.sparse_layers:
             ref = decode_attention(run.Q[l][0, t], run.K[l][0, :t + 1], run.V[l][0, :t + 1], None)
             torch.testing.assert_close(outs[l][0], ref, rtol=1e-5, atol=1e-5)
+
+
+def test_bad_draft_arguments_are_refused_before_any_state_changes(seed):
+    eng = _engine(16, "lookahead")
+    run = Run(eng, [0, 1], 20, 30)
+    run.prefill()
+    ids = eng.ws.ids.clone()
+    l, t = eng.sparse_layers[0], run.t
+    q, k = run.Q[l][:, t], run.K[l][:, t]
+    seq = torch.full((2,), t + 1)
+    with pytest.raises(ValueError, match="go together"):
+        eng.decode_attention(l, q, k, k, run.rows, seq, run.rt, None, q_draft=q)
+    with pytest.raises(ValueError, match="q_draft"):
+        eng.decode_attention(l, q, k, k, run.rows, seq, run.rt, None, q_draft=torch.randn(3, HQ, D),
+                             k_draft=k, v_draft=k)
+    assert torch.equal(eng.ws.ids, ids)
+
+
+def test_prefill_rows_without_new_tokens_get_no_prediction(seed):
+    """Only rows with new tokens are predicted, each from its own last token's query."""
+    eng = _engine(16, "previous")
+    rt = torch.zeros(4, 64, dtype=torch.int32)
+    rt[1, :12] = torch.arange(12) + 100
+    rt[2, :12] = torch.arange(12) + 200
+    l = eng.sparse_layers[0]
+    k = torch.randn(12, H, D)
+    eng.write_kv(l, rt[1, :12].long(), k, k)
+    eng.extend_attention(l, torch.randn(12, HQ, D), torch.tensor([2, 1]), torch.tensor([0, 0]),
+                         torch.tensor([0, 12]), rt, None, k, k)
+    li = eng.index[l]
+    assert int(eng._pred_seq[li, 1]) == 13 and int(eng._pred_seq[li, 2]) == -1
+
+
+def test_measure_agreement_needs_a_predictor_that_predicts_ahead():
+    with pytest.raises(OasisConfigError, match="measure_agreement"):
+        _engine(16, "current", measure=True)
+    with pytest.raises(OasisConfigError, match="measure_agreement"):
+        OasisConfig(measure_agreement=True).predictor_for(False)

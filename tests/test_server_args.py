@@ -42,6 +42,11 @@ def test_oasis_sets_dependent_defaults(model):
     (dict(speculative_algorithm="EAGLE3", speculative_num_draft_tokens=4), "--speculative-num-draft-tokens"),
     (dict(speculative_algorithm="EAGLE3", speculative_eagle_topk=2), "--speculative-eagle-topk"),
     (dict(kv_sparse_config='{"predictor": "lookahead"}'), "predictor"),
+    (dict(kv_sparse_config='{"measure_agreement": true}'), "measure_agreement"),
+    (dict(speculative_algorithm="EAGLE3", speculative_adaptive=True), "--speculative-adaptive"),
+    (dict(speculative_algorithm="EAGLE3", attention_backend="torch_native"), "--attention-backend"),
+    (dict(speculative_algorithm="STANDALONE", speculative_draft_attention_backend="torch_native"),
+     "--speculative-draft-attention-backend"),
     (dict(enable_mixed_chunk=True), "--enable-mixed-chunk"),
     (dict(kv_cache_dtype="fp8_e4m3"), "--kv-cache-dtype"),
 ])
@@ -66,3 +71,16 @@ def test_model_dependent_checks_fail_before_loading(model, kw, key):
 def test_config_without_oasis_is_an_error(model):
     with pytest.raises(OasisConfigError, match="--kv-sparse oasis"):
         make(model, kv_sparse_config='{"budget_tokens": 512}')
+
+
+def test_draft_defaults_and_backend(model):
+    """A draft gets the paired-forward settings and, on CPU, the intel_amx backend."""
+    a = make(model, kv_sparse="oasis", speculative_algorithm="EAGLE3")
+    assert (a.speculative_num_steps, a.speculative_eagle_topk, a.speculative_num_draft_tokens) == (1, 1, 2)
+    assert a.attention_backend == "intel_amx"
+
+
+def test_simulated_acceptance_is_refused(model, monkeypatch):
+    monkeypatch.setenv("SGLANG_SIMULATE_ACC_LEN", "2")
+    with pytest.raises(OasisConfigError, match="SGLANG_SIMULATE_ACC_LEN"):
+        make(model, kv_sparse="oasis", speculative_algorithm="EAGLE3")

@@ -21,11 +21,12 @@ over the new tokens plus any cached prefix read back from the host tier.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
-from ..config import OasisConfig
+from ..config import OasisConfig, OasisConfigError
 from . import attention as attn
 from .host_tier import HostTier
 from .ops import BaseKVOps, TorchKVOps
@@ -68,6 +69,9 @@ class OasisSparseKV:
         if predictor is None:
             predictor = "current" if cfg.predictor == "auto" else cfg.predictor
         self.predictor = get_predictor(predictor)
+        if cfg.measure_agreement and not self.predictor.asynchronous:
+            raise OasisConfigError("kv_sparse_config: 'measure_agreement' needs a predictor that predicts a step "
+                                   "ahead (previous or lookahead), not current")
         self.ops = ops if ops is not None else TorchKVOps()
         self.cfg, self.device, self.bs = cfg, torch.device(device), cfg.block_size
         self.head_num, self.head_dim, self.v_head_dim = head_num, head_dim, v_head_dim
@@ -174,14 +178,17 @@ class OasisSparseKV:
             self.pipe.wait(li)
             self.ws.drop_blocks_from(li, rows.to(self.device, torch.int64),
                                      torch.tensor([p // self.bs for p in pre_c], device=self.device))
-        if self.predictor.asynchronous and len(ext_c):
+        keep = [i for i, e in enumerate(ext_c) if e > 0]        # rows with new tokens (SGLang sends no others)
+        if self.predictor.asynchronous and keep:
             # the first decode step's working set, predicted from the last prompt token's query
-            last = torch.tensor(ext_c, device=self.device).cumsum(0) - 1
-            seq_next = torch.tensor([p + e + 1 for p, e in zip(pre_c, ext_c)], device=self.device)
+            ends = torch.tensor(ext_c, device=self.device).cumsum(0) - 1
+            sel = torch.tensor(keep, device=self.device)
+            seq_next = torch.tensor([pre_c[i] + ext_c[i] + 1 for i in keep], device=self.device)
             rtt = req_to_token if req_to_token.device == self.device else req_to_token.to(self.device)
             self.pipe.wait(li)
-            self._issue_prefetch(li, q[last].view(len(ext_c), -1, self.head_dim), rows.to(self.device, torch.int64),
-                                 seq_next, rtt, -(-max(p + e + 1 for p, e in zip(pre_c, ext_c)) // self.bs))
+            self._issue_prefetch(li, q[ends[sel]].view(len(keep), -1, self.head_dim),
+                                 rows.to(self.device, torch.int64)[sel], seq_next, rtt,
+                                 -(-max(pre_c[i] + ext_c[i] + 1 for i in keep) // self.bs))
         return out
 
     # ---- decode ---------------------------------------------------------------------------
@@ -196,13 +203,17 @@ class OasisSparseKV:
             q: ``[B, Hq, D]``. k_new: ``[B, H, D]``, v_new: ``[B, H, Dv]`` the new tokens.
             rows: ``[B]`` request rows. seq_lens: ``[B]`` context lengths including the new token.
             max_seq_len: ``max(seq_lens)`` when the caller knows it on the host (SGLang's
-                ``seq_lens_cpu``); otherwise it is read from the device (a sync).
+                ``seq_lens_cpu``); otherwise it is read from the device (a sync). It must not
+                be below the true maximum (blocks past it are never selected).
             q_draft, k_draft, v_draft: the paired draft row (``[B, Hq, D]``, ``[B, H, D/Dv]``)
                 at position ``seq_lens``: it attends over the same working set plus the new
                 token and itself; its K/V are never written (a probe). Its query feeds the
                 ``lookahead`` predictor.
         Returns:
             ``[B, Hq, Dv]``, or ``[B, 2, Hq, Dv]`` (normal row, draft row) with a draft row.
+        Raises:
+            ValueError: draft tensors given partly, or with the wrong batch or size (checked
+                before any state changes).
 
         With an asynchronous predictor the working set was prefetched by the previous step (or
         the prefill); this layer only waits for its transfer event. A step whose rows were not
@@ -212,6 +223,15 @@ class OasisSparseKV:
         li = self.index[layer_id]
         cfg, bs = self.cfg, self.bs
         B = q.shape[0]
+        drafts = (q_draft, k_draft, v_draft)
+        if any(x is not None for x in drafts):
+            if any(x is None for x in drafts):
+                raise ValueError("decode_attention: q_draft, k_draft and v_draft go together")
+            want = ((B, q.shape[-2], q.shape[-1]) if q.dim() == 3 else tuple(q.shape),
+                    (B, self.head_num, self.head_dim), (B, self.head_num, self.v_head_dim))
+            for name, x, w in zip(("q_draft", "k_draft", "v_draft"), drafts, want):
+                if x.numel() != math.prod(w) or x.shape[0] != B:
+                    raise ValueError(f"decode_attention: {name} has shape {tuple(x.shape)}, expected {w}")
         if B == 0:
             return q.new_empty((0, q.shape[1], self.v_head_dim) if q_draft is None else (0, 2, q.shape[1], self.v_head_dim))
         rows_d = rows.to(self.device, torch.int64)

@@ -47,6 +47,8 @@ class OasisMetrics:
         self.wait = g("exposed_wait_seconds", "OasisKV: compute-stream stall on transfers in the last step")
         self.agreement = g("agreement", "OasisKV: mean per-layer agreement of the prediction (measure_agreement)")
         self.agreement_min = g("agreement_min_layer", "OasisKV: lowest per-layer agreement (measure_agreement)")
+        for c in self.counters.values():        # create the labelled series now, so they show as 0
+            c.labels(**labels)
 
     def update(self, r: dict) -> None:
         """Publish a ``residency()`` snapshot (counters advance by the change since the last one)."""

@@ -66,8 +66,15 @@ def handle_kv_sparse_args(args) -> OasisConfig:
     if args.attention_backend is None:
         # SGLang's EAGLE has no torch_native backend; on CPU it runs on intel_amx (torch ops)
         args.attention_backend = ("intel_amx" if spec else "torch_native") if cpu else "triton"
-    if args.attention_backend == "intel_amx" and not cpu:
-        bad("--attention-backend", "'intel_amx' is the CPU engine's backend (use triton on CUDA)")
+    for flag in ("attention_backend", "prefill_attention_backend", "decode_attention_backend"):
+        if getattr(args, flag, None) == "intel_amx" and not cpu:
+            bad("--" + flag.replace("_", "-"), "'intel_amx' is the CPU engine's backend (use triton on CUDA)")
+    if spec:
+        for flag in ("attention_backend", "prefill_attention_backend", "decode_attention_backend",
+                     "speculative_draft_attention_backend"):
+            if getattr(args, flag, None) == "torch_native":
+                bad("--" + flag.replace("_", "-"), "'torch_native' cannot run SGLang's speculative draft worker "
+                    "(use intel_amx on CPU, triton on CUDA, or leave it unset)")
     if args.page_size is None:
         args.page_size = cfg.block_size
     elif args.page_size != cfg.block_size:
@@ -77,12 +84,18 @@ def handle_kv_sparse_args(args) -> OasisConfig:
         if str(spec).upper() not in PAIRED_FORWARD_ALGORITHMS:
             bad("--speculative-algorithm", f"{spec!r} is not supported (supported: {', '.join(PAIRED_FORWARD_ALGORITHMS)}: "
                 "the draft token rides the verify pass as the look-ahead probe)")
+        if getattr(args, "speculative_adaptive", False):
+            bad("--speculative-adaptive", "changes the number of draft steps per batch; the look-ahead probe "
+                "needs exactly one draft token beside the normal one")
+        if os.environ.get("SGLANG_SIMULATE_ACC_LEN"):
+            bad("SGLANG_SIMULATE_ACC_LEN", "(environment) makes SGLang accept drafts, whose K/V the "
+                "look-ahead probe does not keep; unset it")
         for flag, want in (("speculative_num_steps", 1), ("speculative_eagle_topk", 1), ("speculative_num_draft_tokens", 2)):
             val = getattr(args, flag, None)
             if val is None:
                 setattr(args, flag, want)
-            elif val != want:
-                bad("--" + flag.replace("_", "-"), f"must be {want} (one draft token beside the normal one), got {val}")
+            elif val != want or type(val) is not int:
+                bad("--" + flag.replace("_", "-"), f"must be {want} (one draft token beside the normal one), got {val!r}")
     cfg.predictor_for(has_draft=bool(spec))            # 'predictor' vs the draft source, before loading
     if str(getattr(args, "kv_cache_dtype", "auto")) not in ("auto", "bfloat16", "float16", "bf16", "fp16"):
         bad("--kv-cache-dtype", f"{args.kv_cache_dtype!r} is not supported (auto, bfloat16 or float16)")
