@@ -56,7 +56,7 @@ def dense(model):
     srv.stop()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture()          # one test: stopped before the next server starts (memory on a 2-core CI box)
 def oasis_full(model):
     srv = _server(model, 0, oasis_args(budget_tokens=4096, kernels="torch"), "oasis_full")
     yield srv

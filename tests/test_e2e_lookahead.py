@@ -14,8 +14,9 @@ backend with the torch ops of ``oasis_sglang/cpu_ops.py``.
     approximates) at budget 512: the needle cases dense answers are answered too. A random
     draft head gives no useful look-ahead (docs/benchmarks.md), so (b) does not use it.
 
-A separate module from tests/test_e2e.py so that module's servers are stopped first: SGLang sizes
-its CPU KV pool from the memory available at start-up.
+A separate module from tests/test_e2e.py so that module's servers are stopped first, and at most
+two servers run at once: SGLang sizes its CPU KV pool from the memory available at start-up, and
+a swapping 2-core box trips SGLang's 300 s watchdog.
 """
 
 import concurrent.futures as cf
@@ -24,19 +25,22 @@ import pytest
 
 from oasis_sglang import needle
 from oasis_sglang.models import prepare_smollm2_eagle3
-from oasis_sglang.sglang_glue.launch import base_args, parse_residency
-from test_e2e import NEEDLE_CASES, NEEDLE_CFG, _exact_prompts, _server, chat, generate_ids
+from oasis_sglang.sglang_glue.launch import base_args, launch, parse_residency
+from test_e2e import NEEDLE_CASES, NEEDLE_CFG, OUT, _exact_prompts, chat, generate_ids
 
 pytestmark = pytest.mark.e2e
 PAIRED = ["--speculative-num-steps", "1", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "2"]
 
 
+MAX_TOKENS = 16384   # KV pool of each server: the 6K-token needle fits; two servers fit in a 24 GiB CI box
+
+
 def _spec_server(model, algorithm, draft, cfg, name):
     from oasis_sglang.sglang_glue.launch import oasis_args
 
-    args = [("intel_amx" if a == "torch_native" else a) for a in base_args()]
-    return _server(model, 0, args + ["--speculative-algorithm", algorithm, "--speculative-draft-model-path", str(draft)]
-                   + PAIRED + oasis_args(**cfg), name)
+    args = [("intel_amx" if a == "torch_native" else a) for a in base_args(max_total_tokens=MAX_TOKENS)]
+    return launch(model, 0, args + ["--speculative-algorithm", algorithm, "--speculative-draft-model-path", str(draft)]
+                  + PAIRED + oasis_args(**cfg), OUT / f"{name}.log")
 
 
 @pytest.fixture(scope="module")
@@ -55,12 +59,12 @@ def tok(model):
 
 @pytest.fixture(scope="module")
 def dense(model):
-    srv = _server(model, 0, [], "dense_lookahead")
+    srv = launch(model, 0, base_args(max_total_tokens=MAX_TOKENS), OUT / "dense_lookahead.log")
     yield srv
     srv.stop()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture()          # one test: stopped before the next server starts (memory)
 def eagle_full(model):
     srv = _spec_server(model, "EAGLE3", prepare_smollm2_eagle3(),
                        {"budget_tokens": 4096, "fetch_cap": None, "kernels": "torch"}, "oasis_eagle_full")
