@@ -25,7 +25,7 @@ import pytest
 
 from oasis_sglang import needle
 from oasis_sglang.models import prepare_smollm2_eagle3
-from oasis_sglang.sglang_glue.launch import base_args, launch, parse_residency
+from oasis_sglang.sglang_glue.launch import base_args, has_cuda, launch, parse_residency
 from test_e2e import NEEDLE_CASES, NEEDLE_CFG, OUT, _exact_prompts, chat, generate_ids
 
 pytestmark = pytest.mark.e2e
@@ -38,7 +38,8 @@ MAX_TOKENS = 16384   # KV pool of each server: the 6K-token needle fits; two ser
 def _spec_server(model, algorithm, draft, cfg, name):
     from oasis_sglang.sglang_glue.launch import oasis_args
 
-    args = [("intel_amx" if a == "torch_native" else a) for a in base_args(max_total_tokens=MAX_TOKENS)]
+    spec_backend = "triton" if has_cuda() else "intel_amx"     # SGLang's draft worker has no torch_native
+    args = [(spec_backend if a == "torch_native" else a) for a in base_args(max_total_tokens=MAX_TOKENS)]
     return launch(model, 0, args + ["--speculative-algorithm", algorithm, "--speculative-draft-model-path", str(draft)]
                   + PAIRED + oasis_args(**cfg), OUT / f"{name}.log")
 
