@@ -8,6 +8,7 @@
 #            (also runs scripts/bench_kernels.py -> $OUT/bench_kernels.md and
 #             scripts/bench_pipeline.py -> $OUT/bench_pipeline/; BENCH=pipeline runs only the latter)
 #   stage 3: carry .gpuhost/kit .gpuhost/c3                    -> bash scripts/gpu_smoke.sh 3 [pytest args]
+#            (TESTS="tests/test_e2e_lookahead.py" picks other test files)
 # Stage 3 installs this package into /tmp/site, applies the patches there, prepares SmolLM2 and
 # runs the end-to-end tests (dense and oasis both on torch_native, so (a) is an exact comparison).
 set -euo pipefail
@@ -25,7 +26,9 @@ case $stage in
     if [ "${BENCH:-all}" != pipeline ]; then
       PYTHONPATH=$PWD:$PYTHONPATH python3 scripts/bench_kernels.py --out ${OUT:-/tmp}/bench_kernels.md
     fi
-    PYTHONPATH=$PWD:$PYTHONPATH python3 scripts/bench_pipeline.py --out ${OUT:-/tmp}/bench_pipeline "$@"
+    if [ "${BENCH:-all}" != none ]; then
+      PYTHONPATH=$PWD:$PYTHONPATH python3 scripts/bench_pipeline.py --out ${OUT:-/tmp}/bench_pipeline "$@"
+    fi
     ;;
   3)
     bash .gpuhost/kit/install.sh .gpuhost/whl1 .gpuhost/whl2 || { echo "host was restarted: start over"; exit 5; }
@@ -39,6 +42,6 @@ case $stage in
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
     export OASIS_ATTENTION_BACKEND=torch_native OASIS_TEST_OUT=${OUT:-/tmp/out}
     python3 -m oasis_sglang.cli prepare-model
-    python3 -m pytest -v -rs tests/test_core.py tests/test_e2e.py "$@" 2>&1 | tee ${OUT:-/tmp}/gpu_smoke.log
+    python3 -m pytest -v -rs ${TESTS:-tests/test_core.py tests/test_e2e.py} "$@" 2>&1 | tee ${OUT:-/tmp}/gpu_smoke.log
     ;;
 esac
