@@ -77,7 +77,7 @@ def test_draft_defaults_and_backend(model):
     """A draft gets the paired-forward settings and, on CPU, the intel_amx backend."""
     a = make(model, kv_sparse="oasis", speculative_algorithm="EAGLE3")
     assert (a.speculative_num_steps, a.speculative_eagle_topk, a.speculative_num_draft_tokens) == (1, 1, 2)
-    assert a.attention_backend == "intel_amx"
+    assert a.attention_backend == "intel_amx" and a.dtype == "float32"
 
 
 def test_simulated_acceptance_is_refused(model, monkeypatch):

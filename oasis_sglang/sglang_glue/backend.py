@@ -142,7 +142,7 @@ def format_residency(r: dict) -> str:
             f"hit rate: {rate:.3f}, admitted blocks: {adm}, evicted blocks: {r['evicted_blocks']}, "
             f"H2D: {r['bytes_h2d'] / 2**20:.1f} MiB, working set: {r['working_set_bytes'] / 2**20:.1f} MiB, "
             f"summaries: {r['summary_bytes'] / 2**20:.1f} MiB, host tier: {r['host_tier_bytes'] / 2**20:.1f} MiB, "
-            f"predictor: {r['predictor']}, synchronous steps: {r['sync_steps']}, "
+            f"predictor: {r['predictor']}, fallback synchronous steps: {r['sync_steps']}, "
             f"exposed wait: {sum(r['exposed_wait_ms']):.3f} ms (last step, all sparse layers)"
             + ("" if r["agreement"] is None else
                f", agreement: {_mean(r['agreement']):.4f} (min layer {_min(r['agreement']):.4f})"))

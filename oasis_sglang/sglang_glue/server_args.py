@@ -90,6 +90,11 @@ def handle_kv_sparse_args(args) -> OasisConfig:
         if os.environ.get("SGLANG_SIMULATE_ACC_LEN"):
             bad("SGLANG_SIMULATE_ACC_LEN", "(environment) makes SGLang accept drafts, whose K/V the "
                 "look-ahead probe does not keep; unset it")
+        if cpu and getattr(args, "dtype", "auto") == "auto":
+            # SGLang's CPU engine runs a draft whose config says float32 in fp16 beside a bf16
+            # target ("expected m1 and m2 to have the same dtype" at the first forward)
+            args.dtype = "float32"
+            logger.info("OasisKV: --dtype float32 on CPU with a draft (target and draft must share a dtype)")
         for flag, want in (("speculative_num_steps", 1), ("speculative_eagle_topk", 1), ("speculative_num_draft_tokens", 2)):
             val = getattr(args, flag, None)
             if val is None:
