@@ -71,13 +71,23 @@ class Server:
             self._log.close()
 
 
+_HANDED_OUT: set[int] = set()      # ports this process already gave to a server (no reuse)
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now (the OS picks it)."""
+    """A TCP port on 127.0.0.1 that nothing listens on now (the OS picks it), never one this
+    process handed out before: servers started in parallel get distinct ports even when the OS
+    offers a just-released port twice."""
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
+    raise OSError("no free TCP port on 127.0.0.1")
 
 
 def check_port_free(port: int) -> None:
@@ -112,8 +122,17 @@ def launch(model: str, port: int, args: list[str], log_path: Path, timeout: floa
 
     import sys
 
-    port = port or free_port()
-    check_port_free(port)
+    if port:
+        check_port_free(port)
+    else:      # a free port may be taken (e.g. by another server's internal ports) before we check
+        for attempt in range(10):
+            port = free_port()
+            try:
+                check_port_free(port)
+                break
+            except OSError:
+                if attempt == 9:
+                    raise
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
