@@ -18,3 +18,19 @@ def seed():
     print(f"OASIS_TEST_SEED={s}")
     torch.manual_seed(s)
     return s
+
+
+@pytest.fixture(scope="session")
+def model():
+    """Path of the prepared SmolLM2-135M-Instruct folder (the end-to-end tests' model)."""
+    from oasis_sglang.models import prepare_smollm2
+
+    return str(prepare_smollm2())
+
+
+@pytest.fixture(scope="session")
+def tok(model):
+    """Its tokenizer."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model)

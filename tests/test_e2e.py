@@ -19,7 +19,7 @@ import pytest
 import requests
 
 from oasis_sglang import needle
-from oasis_sglang.models import essay_texts, prepare_smollm2
+from oasis_sglang.models import essay_texts
 from oasis_sglang.sglang_glue.launch import base_args, free_port, launch, oasis_args, parse_residency
 
 pytestmark = pytest.mark.e2e
@@ -30,18 +30,6 @@ NEEDLE_CASES = [(2048, 0.8), (4096, 0.5), (6000, 0.8)]
 # block_size 8: SmolLM2's head_dim is 64, so an 8-token block of fp32 keys is 2 KiB; with 16-token
 # blocks the min/max bounds are looser and budget 512 loses more needles (docs/benchmarks.md)
 NEEDLE_CFG = {"budget_tokens": 512, "block_size": 8}
-
-
-@pytest.fixture(scope="session")
-def model():
-    return str(prepare_smollm2())
-
-
-@pytest.fixture(scope="session")
-def tok(model):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model)
 
 
 def _server(model, port, extra, name):

@@ -45,20 +45,6 @@ def _spec_server(model, algorithm, draft, cfg, name):
 
 
 @pytest.fixture(scope="module")
-def model():
-    from oasis_sglang.models import prepare_smollm2
-
-    return str(prepare_smollm2())
-
-
-@pytest.fixture(scope="module")
-def tok(model):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model)
-
-
-@pytest.fixture(scope="module")
 def dense(model):
     srv = launch(model, 0, base_args(max_total_tokens=MAX_TOKENS), OUT / "dense_lookahead.log")
     yield srv
