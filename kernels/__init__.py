@@ -4,6 +4,8 @@
   topk.py           2. Quest block scoring (GQA max) + top-K with forced sink/recent blocks
   sparse_decode.py  3. split-K decode attention over head-wise working sets (1-2 query rows, LSE)
   copy_blocks.py    4. zero-copy H2D gather / D2H write-back of (KV head, block) pieces
+  paged_attention.py 5. split-KV causal attention of 1-2 new tokens per request over SGLang's
+                    token-major pool (the paired forward's dense layers and the draft layer)
 
 ``TritonKVOps`` bundles them behind ``core.ops.BaseKVOps``; ``get_kv_ops(name)`` is the lazy
 factory over the registry ``{"torch", "triton"}`` (Triton is imported only when asked for).

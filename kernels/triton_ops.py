@@ -5,13 +5,14 @@ from __future__ import annotations
 from oasis_sglang.core.ops import BaseKVOps
 
 from .copy_blocks import copy_blocks
+from .paged_attention import paged_attention
 from .sparse_decode import sparse_decode_attention
 from .topk import select_topk
 from .write_kv import write_kv
 
 
 class TritonKVOps(BaseKVOps):
-    """Triton kernels for the four OasisKV operations (CUDA; CPU under ``TRITON_INTERPRET=1``)."""
+    """Triton kernels for the OasisKV operations (CUDA; CPU under ``TRITON_INTERPRET=1``)."""
 
     name = "triton"
 
@@ -39,3 +40,7 @@ class TritonKVOps(BaseKVOps):
                                 v_extra=None, return_lse=False):
         """See :meth:`BaseKVOps.sparse_decode_attention`."""
         return sparse_decode_attention(q, ws_k, ws_v, ids, rows, seq_lens, scale, k_extra, v_extra, return_lse)
+
+    def paged_attention(self, q, k_buf, v_buf, req_to_token, rows, kv_lens, scale, max_kv_len=None):
+        """See :meth:`BaseKVOps.paged_attention`."""
+        return paged_attention(q, k_buf, v_buf, req_to_token, rows, kv_lens, scale, max_kv_len)

@@ -23,6 +23,7 @@ import triton
 from tqdm import tqdm
 
 from oasis_sglang.kernels.copy_blocks import copy_blocks
+from oasis_sglang.kernels.paged_attention import paged_attention
 from oasis_sglang.kernels.sparse_decode import sparse_decode_attention
 from oasis_sglang.kernels.topk import block_keys, select_topk, topk_from_keys
 from oasis_sglang.kernels.write_kv import write_kv
@@ -100,6 +101,43 @@ def sglang_decode(B: int, ctx: int, splits: int):
     return fn, 2 * N * H * D * E
 
 
+def paired_case(B: int, ctx: int):
+    """The paired forward's dense / draft layer: 2 new tokens per request on a ``ctx``-token
+    context (page size 1, random slots), as OasisKV (``paged_attention``) and SGLang's verify
+    (``extend_attention_fwd``, prefix from the pool + the 2 new tokens) and SGLang's
+    AMD-only split-KV verify (``verify_splitkv_fwd``, NVIDIA-safe) see it.
+
+    Returns ``{name: fn}`` (SGLang's entries only when SGLang is importable) and the bytes read.
+    """
+    N = B * ctx
+    k = torch.randn(N, H, D, device="cuda", dtype=DT)
+    v = torch.randn(N, H, D, device="cuda", dtype=DT)
+    perm = torch.randperm(N, device="cuda")
+    rtt = perm.view(B, ctx).int().contiguous()
+    rows = torch.arange(B, device="cuda")
+    kv = torch.full((B,), ctx, device="cuda", dtype=torch.int64)
+    q2 = torch.randn(B, 2, H * G, D, device="cuda", dtype=DT)
+    fns = {"oasis": lambda: paged_attention(q2, k, v, rtt, rows, kv, None, max_kv_len=ctx)}
+    try:
+        from sglang.kernels.ops.attention.extend_attention import extend_attention_fwd
+        from sglang.kernels.ops.attention.verify_splitkv import verify_splitkv_fwd
+    except Exception as e:  # noqa: BLE001
+        print(f"SGLang extend kernel unavailable: {e}", file=sys.stderr)
+        return fns, 2 * N * H * D * E
+    qf = q2.view(2 * B, H * G, D)
+    prefix = rtt[:, :ctx - 2].reshape(-1).long()
+    new = rtt[:, ctx - 2:].reshape(-1).long()
+    kx, vx = k[new].contiguous(), v[new].contiguous()
+    o = torch.empty_like(qf)
+    qo = torch.arange(0, 2 * B + 1, 2, device="cuda", dtype=torch.int32)
+    kvp = torch.arange(0, B * (ctx - 2) + 1, ctx - 2, device="cuda", dtype=torch.int32)
+    sc = 1 / math.sqrt(D)
+    args = (qf, kx, vx, o, k, v, qo, kvp, prefix, None, True, None, 2, 1.0, 1.0, sc)
+    fns["sglang_extend"] = lambda: extend_attention_fwd(*args)
+    fns["sglang_splitkv"] = lambda: verify_splitkv_fwd(*args)
+    return fns, 2 * N * H * D * E
+
+
 def ws_case(B: int, K: int, full: bool = True):
     """A working set with every slot resident (``K`` blocks per (request, KV head))."""
     R = B
@@ -112,10 +150,48 @@ def ws_case(B: int, K: int, full: bool = True):
     return q, ws_k, ws_v, ids, rows, seq
 
 
+def paired_section(add, rows, raw):
+    """4. The paired forward's dense layers and draft layer: 2 rows over the whole context, vs
+    the plain step's 1-row SGLang decode kernel (the <= 1.15x target) and SGLang's verify kernels."""
+    for B, ctx in ((8, 16384), (32, 16384), (16, 32768)):
+        fns, nbytes = paired_case(B, ctx)
+        best, best_s = None, None
+        for splits in (8, 16, 32):
+            d = sglang_decode(B, ctx, splits)
+            if d is not None:
+                t = bench_graph(d[0])
+                if best is None or t < best:
+                    best, best_s = t, splits
+                del d
+        shape = f"B={B}, {ctx // 1024}K context"
+        if best is not None:
+            d = sglang_decode(B, ctx, best_s)
+            add("SGLang triton decode (plain step, 1 row)", shape + f" ({best_s} splits)", d[0], nbytes, "hbm")
+            del d
+        ms_p = add("paged_attention (paired: 2 rows)", shape, fns["oasis"], nbytes, "hbm",
+                   extra="" if best is None else "paired/plain GPU time = {r}x (target <= 1.15x)")
+        if best is not None:
+            rows[-1] = rows[-1][:9] + (rows[-1][9].replace("{r}", f"{ms_p / best:.2f}"),)
+            raw[f"paired_over_plain_B{B}_{ctx}"] = ms_p / best
+        for name, label in (("sglang_extend", "SGLang verify today (extend kernel, 2 rows)"),
+                            ("sglang_splitkv", "SGLang split-KV verify (AMD-only path, 2 rows)")):
+            if name in fns:
+                try:
+                    t = add(label, shape, fns[name], nbytes, "hbm")
+                    if best is not None:
+                        raw[f"{name}_over_plain_B{B}_{ctx}"] = t / best
+                except Exception as e:  # noqa: BLE001
+                    print(f"{label}: {e.__class__.__name__}: {str(e)[:200]}", file=sys.stderr)
+        del fns
+        torch.cuda.empty_cache()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None, help="write the table (markdown) and raw numbers (.json) here")
     ap.add_argument("--layers", type=int, default=36, help="layers per decode step (Qwen3-8B: 36)")
+    ap.add_argument("--only", choices=["paired"], default=None,
+                    help="paired: only the paired-forward section (dense and draft layers, 2 rows)")
     ap.add_argument("--weights-gb", type=float, default=16.4, help="weight bytes read per decode step (GB)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -140,6 +216,11 @@ def main() -> int:
         rows.append((kernel, shape, eager * 1e3, gpu * 1e3 if gpu else float("nan"), nbytes / 2**20, gbs,
                      100 * gbs / ceil[bound], bound, target, extra))
         return ms
+
+    if args.only == "paired":
+        paired_section(add, rows, raw)
+        steps.close()
+        return finish(rows, raw, ceil, args.out)
 
     # 4. H2D gather and D2H write-back of 4 KiB pieces (one launch for K and V)
     P, M = 32768, 8192
@@ -253,8 +334,15 @@ def main() -> int:
         del q, ws_k, ws_v, ids
         torch.cuda.empty_cache()
     steps.update()
-    steps.close()
 
+    paired_section(add, rows, raw)
+    steps.update()
+    steps.close()
+    return finish(rows, raw, ceil, args.out)
+
+
+def finish(rows, raw, ceil, out) -> int:
+    """Print the table and write it (markdown) and the raw numbers (.json) to ``out``."""
     dev = torch.cuda.get_device_name()
     lines = [f"Device: {dev}; torch {torch.__version__}, triton {triton.__version__}. Ceilings measured here: "
              f"HBM copy {ceil['hbm']:.0f} GB/s (read + write), pinned H2D {ceil['h2d']:.1f} GB/s, "
@@ -269,10 +357,10 @@ def main() -> int:
     table = "\n".join(lines)
     print(table)
     raw["rows"] = rows
-    if args.out:
-        with open(args.out, "w") as f:
+    if out:
+        with open(out, "w") as f:
             f.write(table + "\n")
-        with open(args.out.rsplit(".", 1)[0] + ".json", "w") as f:
+        with open(out.rsplit(".", 1)[0] + ".json", "w") as f:
             json.dump(raw, f, indent=1, default=str)
     return 0
 

@@ -6,7 +6,8 @@
 #            (also runs the kernel, core and prefetch-pipeline tests on the GPU: torch + triton only)
 #   stage 2: carry .gpuhost/whl2 .gpuhost/kit .gpuhost/c2     -> bash scripts/gpu_smoke.sh 2
 #            (also runs scripts/bench_kernels.py -> $OUT/bench_kernels.md and
-#             scripts/bench_pipeline.py -> $OUT/bench_pipeline/; BENCH=pipeline runs only the latter)
+#             scripts/bench_pipeline.py -> $OUT/bench_pipeline/; BENCH=kernels | paired | pipeline | none
+#             runs only bench_kernels, only its paired-forward section, only bench_pipeline, or neither)
 #   stage 3: carry .gpuhost/kit .gpuhost/c3                    -> bash scripts/gpu_smoke.sh 3 [pytest args]
 #            (TESTS="tests/test_e2e_lookahead.py" picks other test files)
 # Stage 3 installs this package into /tmp/site, applies the patches there, prepares SmolLM2 and
@@ -23,12 +24,15 @@ case $stage in
   2)
     bash .gpuhost/kit/install.sh .gpuhost/whl2; cp .gpuhost/c2/part /tmp/ch/p2
     source .gpuhost/kit/env.sh
-    if [ "${BENCH:-all}" != pipeline ]; then
-      PYTHONPATH=$PWD:$PYTHONPATH python3 scripts/bench_kernels.py --out ${OUT:-/tmp}/bench_kernels.md
-    fi
-    if [ "${BENCH:-all}" != none ]; then
-      PYTHONPATH=$PWD:$PYTHONPATH python3 scripts/bench_pipeline.py --out ${OUT:-/tmp}/bench_pipeline "$@"
-    fi
+    case ${BENCH:-all} in
+      all|kernels) PYTHONPATH=$PWD:$PYTHONPATH python3 scripts/bench_kernels.py --out ${OUT:-/tmp}/bench_kernels.md ;;
+      paired) PYTHONPATH=$PWD:$PYTHONPATH python3 scripts/bench_kernels.py --only paired --out ${OUT:-/tmp}/bench_paired.md ;;
+      pipeline|none) ;;
+      *) echo "BENCH must be all, kernels, paired, pipeline or none (got ${BENCH})"; exit 2 ;;
+    esac
+    case ${BENCH:-all} in
+      all|pipeline) PYTHONPATH=$PWD:$PYTHONPATH python3 scripts/bench_pipeline.py --out ${OUT:-/tmp}/bench_pipeline "$@" ;;
+    esac
     ;;
   3)
     bash .gpuhost/kit/install.sh .gpuhost/whl1 .gpuhost/whl2 || { echo "host was restarted: start over"; exit 5; }

@@ -20,6 +20,7 @@ a swapping 2-core box trips SGLang's 300 s watchdog.
 """
 
 import concurrent.futures as cf
+import re
 
 import pytest
 
@@ -77,8 +78,10 @@ def test_lookahead_is_exact_when_budget_covers_context(dense, eagle_full, tok):
         assert info.get("spec_verify_ct") == n_new - 1, info      # a verify pass per token: no draft accepted
     lines = eagle_full.residency_lines()
     assert lines and "predictor: lookahead" in lines[-1] and "synchronous steps: 0" in lines[-1], lines[-1:]
+    assert "draft match: " in lines[-1], lines[-1]
     log = eagle_full.log()
     assert "lookahead predictor" in log and "leak" not in log.lower()
+    assert "draft layer's draft-extend pass runs torch paged attention" in log
 
 
 @pytest.mark.parametrize("tokens,depth", NEEDLE_CASES)
@@ -92,3 +95,6 @@ def test_needle_budget_512_with_lookahead(dense, self_draft_512, tok, tokens, de
     res = parse_residency(line)
     assert res["budget"] == 512 and max(res["device"]) <= 512
     assert "predictor: lookahead" in line and "synchronous steps: 0" in line
+    # the draft layer (DRAFT_EXTEND_V2 through paged attention) drafts the model's own next token
+    m = re.search(r"draft match: ([0-9.]+) \((\d+)/(\d+)\)", line)
+    assert m and int(m[3]) > 0 and float(m[1]) >= 0.7, line

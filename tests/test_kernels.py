@@ -22,7 +22,9 @@ from oasis_sglang.core import OasisSparseKV  # noqa: E402
 from oasis_sglang.core.ops import TorchKVOps, block_pages  # noqa: E402
 from oasis_sglang.core.selection import quest_scores  # noqa: E402
 from oasis_sglang.kernels import get_kv_ops  # noqa: E402
+from oasis_sglang.core.attention import prefill_attention  # noqa: E402
 from oasis_sglang.kernels.copy_blocks import copy_blocks  # noqa: E402
+from oasis_sglang.kernels.paged_attention import paged_attention  # noqa: E402
 from oasis_sglang.kernels.sparse_decode import sparse_decode_attention  # noqa: E402
 from oasis_sglang.kernels.topk import NEG_INF_KEY32, block_keys, select_topk  # noqa: E402
 from oasis_sglang.kernels.write_kv import segments, write_kv  # noqa: E402
@@ -304,6 +306,58 @@ def test_nan_keys_give_the_same_summaries(seed):
     assert torch.isnan(kmin[1, 0, 0]) and not torch.isnan(kmin[1, 0, 1])
 
 
+# ---- 5. paged_attention: the paired forward's dense and draft layers -----------------------------
+def _paged_case(lens, H, G, D, Dv, NQ, dtype, strided_q=False):
+    """SGLang-like pool: distinct random token slots per request, ``kv_lens`` = ``lens``."""
+    N = sum(lens) + 7
+    perm = torch.randperm(N)
+    rtt = torch.zeros((len(lens) + 2, max(lens) + 5), dtype=torch.int32)
+    rows = torch.randperm(len(lens) + 2)[:len(lens)]
+    at = 0
+    for b, n in enumerate(lens):
+        rtt[rows[b], :n] = perm[at:at + n].int()
+        at += n
+    k_buf, v_buf = torch.randn(N, H, D).to(dtype), torch.randn(N, H, Dv).to(dtype)
+    if strided_q:    # SGLang's q is a view of the fused qkv projection
+        q = torch.randn(len(lens), NQ, H * G * D + 3 * D).to(dtype)[..., :H * G * D].view(len(lens), NQ, H * G, D)
+    else:
+        q = torch.randn(len(lens), NQ, H * G, D).to(dtype)
+    return [t.to(DEV) for t in (q, k_buf, v_buf, rtt, rows, torch.tensor(lens))]
+
+
+@pytest.mark.parametrize("NQ", [1, 2])
+def test_paged_attention_reference_is_causal_prefill(seed, NQ):
+    """The reference equals SGLang torch_native's causal extend over the last NQ tokens."""
+    q, kb, vb, rtt, rows, kv = _paged_case([5, 40, NQ], 2, 3, 16, 16, NQ, torch.float32)
+    o = REF.paged_attention(q, kb, vb, rtt, rows, kv, 0.3)
+    for b in range(q.shape[0]):
+        loc = rtt[rows[b], :int(kv[b])].long()
+        want = prefill_attention(q[b], kb[loc], vb[loc], int(kv[b]) - NQ, 0.3)
+        torch.testing.assert_close(o[b], want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("NQ", [1, 2])
+def test_paged_attention_matches_reference(seed, dtype, NQ):
+    lens = [NQ, 37, 130, 64]
+    q, kb, vb, rtt, rows, kv = _paged_case(lens, 2, 4, 32, 32, NQ, dtype, strided_q=True)
+    ro = REF.paged_attention(q.float(), kb.float(), vb.float(), rtt, rows, kv, 0.2)
+    for splits, hint in ((None, None), (1, None), (3, None), (None, 512)):
+        o = paged_attention(q, kb, vb, rtt, rows, kv, 0.2, max_kv_len=hint, num_splits=splits, block_n=16)
+        assert o.dtype == dtype and not torch.isnan(o).any()
+        err = ((o.float() - ro).norm() / ro.norm()).item()
+        assert err < ATTN_RTOL[dtype], (splits, hint, err)
+    assert paged_attention(q[:0], kb, vb, rtt, rows[:0], kv[:0], 0.2).shape == (0, NQ, 8, 32)
+
+
+def test_paged_attention_through_kv_ops(seed):
+    """``get_kv_ops('triton').paged_attention`` is the kernel; Qwen-like GQA (G=4), D=128."""
+    q, kb, vb, rtt, rows, kv = _paged_case([300, 17], 2, 4, 128, 128, 2, torch.float32)
+    o = get_kv_ops("triton").paged_attention(q, kb, vb, rtt, rows, kv, None, max_kv_len=300)
+    ro = REF.paged_attention(q, kb, vb, rtt, rows, kv, None)
+    assert ((o - ro).norm() / ro.norm()).item() < ATTN_RTOL[torch.float32]
+
+
 def test_index_checks_name_the_argument(monkeypatch):
     monkeypatch.setenv("OASIS_KERNEL_CHECKS", "1")
     hk, hv = host_tensor((1, 4, 8, 4), torch.float32), host_tensor((1, 4, 8, 4), torch.float32)
@@ -316,3 +370,6 @@ def test_index_checks_name_the_argument(monkeypatch):
         copy_blocks(dst, dst.clone(), torch.tensor([0, 4], device=DEV), dst.clone(), dst.clone(), torch.tensor([0, 1], device=DEV))
     with pytest.raises(IndexError, match="src_idx"):
         copy_blocks(dst, dst.clone(), torch.tensor([0, 1], device=DEV), dst.clone(), dst.clone(), torch.tensor([0, 4], device=DEV))
+    q, kb, vb, rtt, rows, kv = _paged_case([4, 9], 1, 2, 16, 16, 2, torch.float32)
+    with pytest.raises(IndexError, match="kv_lens"):
+        paged_attention(q, kb, vb, rtt, rows, torch.tensor([1, 9], device=DEV), None)

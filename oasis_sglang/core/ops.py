@@ -104,6 +104,28 @@ class BaseKVOps:
         """
         raise NotImplementedError
 
+    def paged_attention(self, q, k_buf, v_buf, req_to_token, rows, kv_lens, scale: float | None,
+                        max_kv_len: int | None = None):
+        """Causal attention of ``NQ`` consecutive new tokens per request over its whole KV cache in
+        SGLang's token-major pool: the paired forward's dense and draft layers.
+
+        Args:
+            q: ``[B, NQ, Hq, D]`` queries of the ``NQ`` new tokens (positions ``kv_lens - NQ ..
+                kv_lens - 1``; their K/V are already in the pool).
+            k_buf: ``[N, H, D]``, v_buf: ``[N, H, Dv]`` one layer of SGLang's ``MHATokenToKVPool``.
+            req_to_token: ``[R, max_len]`` int32 (SGLang's request table: position -> token slot).
+            rows: ``[B]`` request rows. kv_lens: ``[B]`` tokens seen by the last row (row ``i``
+                sees the first ``kv_lens - (NQ - 1 - i)``; each must be ``>= 1``).
+            scale: softmax scale (``None``: ``1/sqrt(D)``).
+            max_kv_len: ``>= max(kv_lens)`` when known on the host (sizes the kernel grid without a
+                device read); ignored by the reference.
+        Returns:
+            ``o [B, NQ, Hq, Dv]`` in q's dtype.
+        Same result as SGLang's verify / draft-extend pass (``triton_backend.forward_extend``
+        with a causal chain, topk 1) over the same pool.
+        """
+        raise NotImplementedError
+
 
 class TorchKVOps(BaseKVOps):
     """Reference implementations (torch; bitwise equal to SGLang's torch_native on full working sets)."""
@@ -171,3 +193,17 @@ class TorchKVOps(BaseKVOps):
                     s = torch.einsum("hgd,nhd->hgn", q[b, i].float().view(-1, G, D), kk.float()) * sc
                     lse[b, i] = torch.logsumexp(s, -1).reshape(Hq)
         return o, lse
+
+    def paged_attention(self, q, k_buf, v_buf, req_to_token, rows, kv_lens, scale, max_kv_len=None):
+        """Reference: per request and row, gather the row's visible tokens through ``req_to_token`` + SDPA."""
+        B, NQ, Hq, D = q.shape
+        o = q.new_empty((B, NQ, Hq, v_buf.shape[-1]))
+        rows_c, kv_c = rows.tolist(), kv_lens.tolist()
+        for b in range(B):
+            for i in range(NQ):
+                n = int(kv_c[b]) - (NQ - 1 - i)
+                if n < 1:
+                    raise ValueError(f"paged_attention: request {b} row {i} sees {n} tokens (kv_lens must be >= NQ)")
+                loc = req_to_token[int(rows_c[b]), :n].to(k_buf.device, torch.int64)
+                o[b, i] = decode_attention(q[b, i], k_buf[loc], v_buf[loc], scale)
+        return o

@@ -1,7 +1,9 @@
-"""OasisAttnBackend: wraps the attention backend SGLang built (torch_native or triton).
+"""OasisAttnBackend: wraps the attention backend SGLang built (torch_native, triton or intel_amx).
 
-Dense layers go to the wrapped backend unchanged; sparse layers run OasisKV
+Dense layers go to the wrapped backend, except in the paired forward (TARGET_VERIFY), where
+they run ``ops.paged_attention`` (split-KV, GQA-grouped); sparse layers run OasisKV
 (``core.engine.OasisSparseKV``): prefill over the host tier, decode over the working set.
+``OasisDraftBackend`` wraps the draft worker's draft-extend backend the same way.
 """
 
 from __future__ import annotations
@@ -61,6 +63,10 @@ class OasisAttnBackend(AttentionBackend):
         A TARGET_VERIFY batch (speculative decoding) is the paired forward: see ``_forward_verify``.
         """
         if not self.engine.is_sparse(layer.layer_id):
+            if forward_batch.forward_mode.is_target_verify() and paged_ok(layer, kwargs):
+                # the normal token (position seq_lens) and the draft (seq_lens + 1), causal
+                return paired_paged_attention(self.engine.ops, self.pool, self.req_to_token_pool.req_to_token,
+                                              q, k, v, layer, forward_batch, save_kv_cache, extra_lens=2)
             return self.inner.forward_extend(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
         if forward_batch.forward_mode.is_target_verify():
             return self._forward_verify(q, k, v, layer, forward_batch, save_kv_cache)
@@ -120,9 +126,112 @@ class OasisAttnBackend(AttentionBackend):
         s = self.engine.stats
         if s.new_request_started or s.decode_steps % self.log_interval == 0:
             r = self.engine.residency()
+            from . import spec_probe
+
+            r["draft_match"] = spec_probe.draft_match() if spec_probe.ACTIVE else None
             logger.info(format_residency(r))
             if self.metrics is not None:
                 self.metrics.update(r)
+
+
+class OasisDraftBackend(AttentionBackend):
+    """The draft worker's draft-extend backend for ``--kv-sparse oasis`` with a draft.
+
+    After each paired forward SGLang's EAGLE v2 worker runs a DRAFT_EXTEND_V2 pass of 2 tokens
+    per request over the draft model's own (dense) KV cache; SGLang sends it through its prefill
+    kernel. Here it runs ``ops.paged_attention`` (split-KV, GQA-grouped, each KV tile loaded
+    once for both rows); every other pass goes to the wrapped backend.
+    """
+
+    def __init__(self, inner: AttentionBackend, ops, pool, req_to_token_pool):
+        super().__init__()
+        self.inner, self.ops, self.pool, self.req_to_token_pool = inner, ops, pool, req_to_token_pool
+
+    def __getattr__(self, name):  # everything else is the wrapped backend's
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def init_forward_metadata(self, forward_batch):
+        """Delegate (the wrapped backend serves every pass but DRAFT_EXTEND_V2)."""
+        return self.inner.init_forward_metadata(forward_batch)
+
+    def support_triton(self):
+        """Delegate to the wrapped backend."""
+        return self.inner.support_triton()
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        """DRAFT_EXTEND_V2 (``forward_batch.seq_lens`` already counts its 2 tokens): paged
+        attention; anything else: the wrapped backend. ``q [2B, Hq*D]`` -> ``[2B, Hq*Dv]``."""
+        if forward_batch.forward_mode.is_draft_extend_v2() and paged_ok(layer, kwargs):
+            return paired_paged_attention(self.ops, self.pool, self.req_to_token_pool.req_to_token,
+                                          q, k, v, layer, forward_batch, save_kv_cache, extra_lens=0)
+        return self.inner.forward_extend(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
+
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        """Delegate."""
+        return self.inner.forward_decode(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
+
+
+def paged_ok(layer, kwargs) -> bool:
+    """``ops.paged_attention`` computes this layer exactly: plain causal softmax attention, no
+    logit cap, sliding window, sinks, score_mod or quantized KV (else the wrapped backend runs)."""
+    return (not getattr(layer, "is_cross_attention", False) and getattr(layer, "logit_cap", 0) in (0, None, 0.0)
+            and (getattr(layer, "sliding_window_size", -1) or -1) < 0 and getattr(layer, "k_scale", None) is None
+            and getattr(layer, "xai_temperature_len", -1) in (-1, None)
+            and all(kwargs.get(a) is None for a in ("sinks", "score_mod", "aux_tensors")))
+
+
+def paired_paged_attention(ops, pool, req_to_token, q, k, v, layer, forward_batch, save_kv_cache,
+                           extra_lens: int):
+    """Two consecutive new tokens per request (a causal chain) over a dense layer's whole KV cache.
+
+    Args:
+        q: ``[2B, Hq*D]`` (or ``[2B, Hq, D]``); k / v: ``[2B, H*D]`` written to ``pool`` at
+            ``forward_batch.out_cache_loc`` first when ``save_kv_cache``.
+        extra_lens: tokens to add to ``forward_batch.seq_lens`` to get what the second row sees
+            (TARGET_VERIFY: 2, the prefix excludes the verify tokens; DRAFT_EXTEND_V2: 0).
+    Returns:
+        ``[2B, Hq*Dv]``.
+    Raises:
+        RuntimeError: the batch does not hold exactly 2 tokens per request.
+    """
+    Hq, H, D, Dv = layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim, layer.v_head_dim
+    B = forward_batch.req_pool_indices.shape[0]
+    if q.shape[0] != 2 * B:
+        raise RuntimeError(f"OasisKV: the paired forward needs 2 tokens per request, got {q.shape[0]} for {B} requests")
+    if save_kv_cache:
+        pool.set_kv_buffer(layer, forward_batch.out_cache_loc, k.view(-1, H, D), v.view(-1, H, Dv))
+    mx = _max_seq_len(forward_batch)
+    o = ops.paged_attention(q.view(B, 2, Hq, D), pool.get_key_buffer(layer.layer_id),
+                            pool.get_value_buffer(layer.layer_id), req_to_token, forward_batch.req_pool_indices,
+                            forward_batch.seq_lens + extra_lens, layer.scaling,
+                            None if mx is None else mx + extra_lens)
+    return o.reshape(-1, Hq * Dv)
+
+
+def draft_backend_hook(result, self, *args, **kwargs):
+    """AFTER ``EagleDraftWorker.init_attention_backend``: wrap the draft-extend backend (the
+    draft layer of the paired forward) when ``--kv-sparse oasis`` runs with a draft."""
+    sa = getattr(self, "server_args", None) or self.draft_runner.server_args
+    if getattr(sa, "kv_sparse", "none") != "oasis":
+        return result
+    from oasis_sglang.kernels import get_kv_ops
+
+    cfg = OasisConfig.from_json(sa.kv_sparse_config)
+    ops = get_kv_ops(cfg.kernel_backend(torch.device(self.draft_runner.device).type))
+    wrapped = {}
+
+    def wrap(b):
+        if b is None or isinstance(b, OasisDraftBackend):
+            return b
+        return wrapped.setdefault(id(b), OasisDraftBackend(b, ops, self.draft_runner.token_to_kv_pool,
+                                                           self.draft_runner.req_to_token_pool))
+
+    self.draft_extend_attn_backend = wrap(self.draft_extend_attn_backend)
+    self.draft_runner.attn_backend = wrap(self.draft_runner.attn_backend)
+    logger.info("OasisKV: the draft layer's draft-extend pass runs %s paged attention", ops.name)
+    return result
 
 
 def _max_seq_len(forward_batch) -> int | None:
@@ -145,7 +254,10 @@ def format_residency(r: dict) -> str:
             f"predictor: {r['predictor']}, fallback synchronous steps: {r['sync_steps']}, "
             f"exposed wait: {sum(r['exposed_wait_ms']):.3f} ms (last step, all sparse layers)"
             + ("" if r["agreement"] is None else
-               f", agreement: {_mean(r['agreement']):.4f} (min layer {_min(r['agreement']):.4f})"))
+               f", agreement: {_mean(r['agreement']):.4f} (min layer {_min(r['agreement']):.4f})")
+            + ("" if not r.get("draft_match") else
+               f", draft match: {r['draft_match'][0] / max(1, r['draft_match'][1]):.3f} "
+               f"({r['draft_match'][0]}/{r['draft_match'][1]})"))
 
 
 def _mean(xs):

@@ -17,6 +17,7 @@ sglang:oasis_sync_steps_total               counter  steps selected synchronousl
 sglang:oasis_exposed_wait_seconds           gauge    compute-stream stall on transfers, last step
 sglang:oasis_agreement                      gauge    measure_agreement: mean per-layer agreement
 sglang:oasis_agreement_min_layer            gauge    measure_agreement: lowest layer's agreement
+sglang:oasis_draft_match_rate               gauge    with a draft: drafts equal to the target's next token
 ==========================================  =======  ===================================================
 """
 
@@ -47,6 +48,7 @@ class OasisMetrics:
         self.wait = g("exposed_wait_seconds", "OasisKV: compute-stream stall on transfers in the last step")
         self.agreement = g("agreement", "OasisKV: mean per-layer agreement of the prediction (measure_agreement)")
         self.agreement_min = g("agreement_min_layer", "OasisKV: lowest per-layer agreement (measure_agreement)")
+        self.draft_match = g("draft_match_rate", "OasisKV: drafts equal to the target's next token / drafts")
         for c in self.counters.values():        # create the labelled series now, so they show as 0
             c.labels(**labels)
 
@@ -64,6 +66,9 @@ class OasisMetrics:
         if ag:
             self.agreement.labels(**self.labels).set(sum(ag) / len(ag))
             self.agreement_min.labels(**self.labels).set(min(ag))
+        dm = r.get("draft_match")
+        if dm and dm[1]:
+            self.draft_match.labels(**self.labels).set(dm[0] / dm[1])
 
 
 def make_metrics(server_args) -> OasisMetrics | None:

@@ -15,16 +15,24 @@ verification reject every draft, so the output equals plain greedy decoding:
   draft whose K/V OasisKV did not keep.
 
 Both are inert unless the OasisKV engine of this process runs with a draft (``ACTIVE``).
+
+Before rejecting, the verify hook counts the drafts that equal the target's own next token (what
+SGLang would have accepted): ``draft_match()``, shown as ``draft match`` in the ``OasisKV decode``
+log line. It tells how good the draft source is (a trained EAGLE-3 head or a self-draft: high;
+a random head: near 0) and that the draft layer's attention is right.
 """
 
 from __future__ import annotations
 
 import logging
 
+import torch
+
 logger = logging.getLogger(__name__)
 
 ACTIVE = False          # set by init_attention_backends_hook when --kv-sparse oasis runs with a draft
 _warned = False
+_match = None           # int64 [2] on the device: drafts equal to the target's next token, drafts verified
 
 
 def activate() -> None:
@@ -40,6 +48,9 @@ def verify_tree_greedy_hook(original, *args, **kwargs):
         if cand is None:
             args = list(args)
             cand = args[3]
+        tp = kwargs.get("target_predict", args[7] if len(args) > 7 else None)
+        if tp is not None and cand.shape[1] > 1:
+            _count_matches(cand[:, 1], tp.reshape(cand.shape[0], -1)[:, 0])
         cand = cand.clone()
         cand[:, 1:] = -1                      # no vocabulary id: the greedy walk accepts nothing
         if "candidates" in kwargs:
@@ -47,6 +58,23 @@ def verify_tree_greedy_hook(original, *args, **kwargs):
         else:
             args[3] = cand
     return original(*args, **kwargs)
+
+
+def _count_matches(draft, target) -> None:
+    """Accumulate on the device (no host sync on the decode path)."""
+    global _match
+    if _match is None or _match.device != draft.device:
+        _match = torch.zeros(2, dtype=torch.int64, device=draft.device)
+    _match[0] += (draft == target).sum()
+    _match[1] += draft.numel()
+
+
+def draft_match() -> tuple[int, int] | None:
+    """``(drafts equal to the target's next token, drafts verified)`` since start-up; one host read."""
+    if _match is None:
+        return None
+    hits, total = _match.tolist()
+    return hits, total
 
 
 def eagle_sample_hook(original, *args, **kwargs):
