@@ -10,6 +10,8 @@
 #             runs only bench_kernels, only its paired-forward section, only bench_pipeline, or neither)
 #   stage 3: carry .gpuhost/kit .gpuhost/c3                    -> bash scripts/gpu_smoke.sh 3 [pytest args]
 #            (TESTS="tests/test_e2e_lookahead.py" picks other test files)
+#   stage 4: carry .gpuhost/kit .gpuhost/model (after stages 1-2) -> bash scripts/gpu_smoke.sh 4 [bench_oasis args]
+#            (scripts/bench_oasis.py on the Qwen3-8B-shaped dummy -> $OUT/bench_oasis/)
 # Stage 3 installs this package into /tmp/site, applies the patches there, prepares SmolLM2 and
 # runs the end-to-end tests (dense and oasis both on torch_native, so (a) is an exact comparison).
 set -euo pipefail
@@ -47,5 +49,13 @@ case $stage in
     export OASIS_ATTENTION_BACKEND=torch_native OASIS_TEST_OUT=${OUT:-/tmp/out}
     python3 -m oasis_sglang.cli prepare-model
     python3 -m pytest -v -rs ${TESTS:-tests/test_core.py tests/test_e2e.py} "$@" 2>&1 | tee ${OUT:-/tmp}/gpu_smoke.log
+    ;;
+  4)
+    bash .gpuhost/kit/install.sh .gpuhost/whl1 .gpuhost/whl2 --model .gpuhost/model || { echo "host was restarted: start over"; exit 5; }
+    source .gpuhost/kit/env.sh
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation --upgrade --target /tmp/site . 2>&1 | grep -v WARNING || true
+    rm -rf build
+    python3 -m oasis_sglang.cli patch apply --sglang-root /tmp/site
+    python3 scripts/bench_oasis.py --out ${OUT:-/tmp/out}/bench_oasis "$@"
     ;;
 esac
