@@ -90,11 +90,13 @@ def handle_kv_sparse_args(args) -> OasisConfig:
         if os.environ.get("SGLANG_SIMULATE_ACC_LEN"):
             bad("SGLANG_SIMULATE_ACC_LEN", "(environment) makes SGLang accept drafts, whose K/V the "
                 "look-ahead probe does not keep; unset it")
-        if cpu and getattr(args, "dtype", "auto") == "auto":
-            # SGLang's CPU engine runs a draft whose config says float32 in fp16 beside a bf16
-            # target ("expected m1 and m2 to have the same dtype" at the first forward)
-            args.dtype = "float32"
-            logger.info("OasisKV: --dtype float32 on CPU with a draft (target and draft must share a dtype)")
+        if getattr(args, "dtype", "auto") == "auto":
+            # with --dtype auto SGLang gives the draft the dtype of its own config: a float32 or
+            # fp16 draft beside a bf16 target fails at the first forward ("expected mat1 and mat2
+            # to have the same dtype"). CPU: float32; GPU: the target's own dtype.
+            args.dtype = "float32" if cpu else _target_dtype(args)
+            if args.dtype != "auto":
+                logger.info("OasisKV: --dtype %s with a draft (target and draft must share a dtype)", args.dtype)
         for flag, want in (("speculative_num_steps", 1), ("speculative_eagle_topk", 1), ("speculative_num_draft_tokens", 2)):
             val = getattr(args, flag, None)
             if val is None:
@@ -138,6 +140,20 @@ def handle_kv_sparse_args(args) -> OasisConfig:
     args.kv_sparse_config = cfg.to_json()
     logger.info("OasisKV enabled: %s", args.kv_sparse_config)
     return cfg
+
+
+def _target_dtype(args) -> str:
+    """The target model's config dtype as a ``--dtype`` value (``auto`` when unknown)."""
+    try:
+        from transformers import AutoConfig
+
+        hf = AutoConfig.from_pretrained(args.model_path, trust_remote_code=bool(args.trust_remote_code))
+        tc = getattr(hf, "text_config", None) or hf
+        dt = getattr(tc, "dtype", None) or getattr(tc, "torch_dtype", None)
+    except Exception:  # noqa: BLE001 - remote or exotic configs: leave it to SGLang
+        return "auto"
+    name = str(dt).replace("torch.", "") if dt is not None else ""
+    return name if name in ("bfloat16", "float16", "float32") else "auto"
 
 
 def _check_cpu_ops() -> None:
