@@ -47,11 +47,17 @@ class _Loader(importlib.abc.Loader):
         module.__getattr__ = __getattr__
 
 
+_SUBMODULES = ("sgl_kernel.speculative",)      # ``from sgl_kernel.speculative import ...`` (NGRAM)
+
+
 class SglKernelCpuFinder(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname, path=None, target=None):
-        if fullname != _NAME or cuda_driver_present():
+        if (fullname != _NAME and fullname not in _SUBMODULES) or cuda_driver_present():
             return None
-        return importlib.machinery.ModuleSpec(_NAME, _Loader(), is_package=False)
+        spec = importlib.machinery.ModuleSpec(fullname, _Loader(), is_package=fullname == _NAME)
+        if fullname == _NAME:
+            spec.submodule_search_locations = []
+        return spec
 
 
 def install() -> None:

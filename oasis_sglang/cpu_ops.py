@@ -40,7 +40,7 @@ __all__ = [
     "assign_extend_cache_locs_cpu", "assign_draft_cache_locs_contiguous_cpu",
     "build_tree_kernel_efficient_cpu", "verify_tree_greedy_cpu", "fill_bonus_tokens_cpu",
     "fill_accept_out_cache_loc_cpu", "rotate_input_ids_cpu", "build_draft_decode_metadata_cpu",
-    "decode_attention_cpu", "extend_attention_cpu",
+    "decode_attention_cpu", "extend_attention_cpu", "reconstruct_indices_from_tree_mask",
 ]
 
 # tree_mask_mode values of sglang.srt.speculative.eagle_utils.TreeMaskMode
@@ -429,6 +429,43 @@ def build_draft_decode_metadata_cpu(req_to_token: torch.Tensor, req_pool_indices
             out[b * topk + t, :L] = req_to_token[r, :L]
             out[b * topk + t, L:L + num_steps] = req_to_token[r, L + t * num_steps:L + (t + 1) * num_steps]
     return out
+
+
+def reconstruct_indices_from_tree_mask(tree_mask: torch.Tensor, verified_seq_len: torch.Tensor,
+                                       positions: torch.Tensor, retrive_index: torch.Tensor,
+                                       retrive_next_token: torch.Tensor, retrive_next_sibling: torch.Tensor,
+                                       batch_size: int, draft_token_num: int) -> None:
+    """Positions and tree links of SGLang's NGRAM draft trees (in place).
+
+    Mirrors ``reconstruct_indices_from_tree_mask`` (``sgl_kernel.speculative``, CUDA; caller
+    ``srt/speculative/ngram_worker.py``, whose host twin ``_derive_tree_links`` gives the same
+    links). With ``m[b, i, j]`` = node ``j`` is an ancestor of node ``i`` (``tree_mask`` viewed
+    ``[bs, D, D]``) and ``parent(i)`` the largest ancestor ``j < i`` (``-1`` for the root):
+    ``positions[b*D + i] = verified_seq_len[b] + #ancestors(i)``; ``retrive_index[b, i] = b*D + i``;
+    ``retrive_next_token[b, i]`` = the first child of ``i``; ``retrive_next_sibling[b, i]`` = the
+    next node after ``i`` with the same parent (``-1`` when none).
+
+    Args:
+        tree_mask: ``[bs * D * D]`` bool. verified_seq_len: ``[bs]`` int64. positions:
+            ``[bs * D]`` int64 (out). retrive_*: ``[bs, D]`` int64 (out).
+    """
+    bs, D = int(batch_size), int(draft_token_num)
+    if bs == 0:
+        return
+    m = tree_mask.reshape(-1)[:bs * D * D].view(bs, D, D).bool()
+    node = torch.arange(D, device=m.device)
+    anc = m & (node[None, :] < node[:, None])[None]                  # [bs, i, j]: j < i ancestor of i
+    positions[:bs * D] = (verified_seq_len[:bs, None].to(torch.int64) + anc.sum(-1)).reshape(-1)
+    retrive_index[:bs] = torch.arange(bs * D, device=m.device).view(bs, D)
+    parent = torch.where(anc.any(-1), (anc * node).argmax(-1), torch.full_like(node, -1).expand(bs, D))
+    big = torch.full((bs, D, D), D, dtype=torch.int64, device=m.device)
+    child = parent[:, None, :] == node[None, :, None]               # [bs, i, k]: k is a child of i
+    first = torch.where(child, node.expand(bs, D, D), big).amin(-1)
+    retrive_next_token[:bs] = torch.where(first < D, first, torch.full_like(first, -1))
+    sib = (parent[:, None, :] == parent[:, :, None]) & (node[None, None, :] > node[None, :, None]) \
+        & (parent[:, :, None] >= 0)                                   # [bs, i, k]: k > i, same parent
+    nxt = torch.where(sib, node.expand(bs, D, D), big).amin(-1)
+    retrive_next_sibling[:bs] = torch.where(nxt < D, nxt, torch.full_like(nxt, -1))
 
 
 # ---------------------------------------------------------------------------------------------

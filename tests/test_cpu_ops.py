@@ -353,3 +353,30 @@ def test_attention_ops_are_registered_in_sgl_kernel_namespace():
         assert hasattr(torch.ops.sgl_kernel, name)
     assert cpu_ops.register_torch_ops() == []          # idempotent
     assert not hasattr(torch.ops.sgl_kernel, "convert_weight_packed")   # SGLang keeps AMX GEMMs off
+
+
+@pytest.mark.parametrize("D", [1, 2, 5, 8])
+def test_reconstruct_indices_from_tree_mask_matches_sglang_host_links(seed, D):
+    """Links equal SGLang's own host derivation (``ngram_worker._derive_tree_links``); positions
+    are the verified length plus each node's depth."""
+    from sglang.srt.speculative.ngram_worker import _derive_tree_links
+
+    bs = 3
+    parent = [[-1] + [int(torch.randint(0, i, ())) for i in range(1, D)] for _ in range(bs)]
+    mask = torch.zeros(bs, D, D, dtype=torch.bool)
+    depth = torch.zeros(bs, D, dtype=torch.int64)
+    for b in range(bs):
+        for i in range(D):
+            j = i
+            while j >= 0:          # self and every ancestor, as SGLang's NGRAM corpus writes it
+                mask[b, i, j] = True
+                j = parent[b][j]
+            depth[b, i] = int(mask[b, i].sum()) - 1
+    seq = torch.randint(5, 50, (bs,))
+    pos = torch.empty(bs * D, dtype=torch.int64)
+    idx, nxt, sib = (torch.full((bs, D), -7, dtype=torch.int64) for _ in range(3))
+    cpu_ops.reconstruct_indices_from_tree_mask(mask.flatten(), seq, pos, idx, nxt, sib, bs, D)
+    want_nxt, want_sib = _derive_tree_links(mask.numpy(), bs, D)
+    assert torch.equal(nxt, want_nxt) and torch.equal(sib, want_sib)
+    assert torch.equal(pos, (seq[:, None] + depth).flatten())
+    assert torch.equal(idx, torch.arange(bs * D).view(bs, D))

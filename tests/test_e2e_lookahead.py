@@ -41,8 +41,9 @@ def _spec_server(model, algorithm, draft, cfg, name, extra=()):
 
     spec_backend = "triton" if has_cuda() else "intel_amx"     # SGLang's draft worker has no torch_native
     args = [(spec_backend if a == "torch_native" else a) for a in base_args(max_total_tokens=MAX_TOKENS)]
-    return launch(model, 0, args + ["--speculative-algorithm", algorithm, "--speculative-draft-model-path", str(draft)]
-                  + PAIRED + oasis_args(**cfg) + list(extra), OUT / f"{name}.log")
+    spec = ["--speculative-algorithm", algorithm] + ([] if draft is None else ["--speculative-draft-model-path", str(draft)])
+    paired = ["--speculative-num-draft-tokens", "2"] if algorithm == "NGRAM" else PAIRED
+    return launch(model, 0, args + spec + paired + oasis_args(**cfg) + list(extra), OUT / f"{name}.log")
 
 
 # On CUDA both sides of the exactness comparison run in float32: the draft needs SGLang's triton
@@ -62,6 +63,14 @@ def dense(model):
 def eagle_full(model):
     srv = _spec_server(model, "EAGLE3", prepare_smollm2_eagle3(),
                        {"budget_tokens": 4096, "fetch_cap": None, "kernels": "torch"}, "oasis_eagle_full", FP32_ON_CUDA)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture()
+def ngram_full(model):
+    srv = _spec_server(model, "NGRAM", None, {"budget_tokens": 4096, "fetch_cap": None, "kernels": "torch"},
+                       "oasis_ngram_full", FP32_ON_CUDA)
     yield srv
     srv.stop()
 
@@ -88,6 +97,20 @@ def test_lookahead_is_exact_when_budget_covers_context(dense, eagle_full, tok):
     log = eagle_full.log()
     assert "lookahead predictor" in log and "leak" not in log.lower()
     assert "draft layer's draft-extend pass runs torch paged attention" in log
+
+
+def test_ngram_lookahead_is_exact_when_budget_covers_context(dense, ngram_full, tok):
+    """SGLang's model-free n-gram drafter as the draft source (models without an EAGLE-3 head)."""
+    prompts = _exact_prompts(tok)
+    n_new = 24
+    with cf.ThreadPoolExecutor(len(prompts)) as ex:
+        ref = list(ex.map(lambda p: generate_ids(dense.url, p, n_new), prompts))
+        got = list(ex.map(lambda p: generate_ids(ngram_full.url, p, n_new, meta=True), prompts))
+    for p, r, (g, info) in zip(prompts, ref, got):
+        assert g == r, f"prompt of {len(p)} tokens: oasis+NGRAM {g} != dense {r}"
+        assert info.get("spec_verify_ct") == n_new - 1, info
+    line = ngram_full.residency_lines()[-1]
+    assert "predictor: lookahead" in line and "synchronous steps: 0" in line and "draft match: " in line, line
 
 
 @pytest.mark.parametrize("tokens,depth", NEEDLE_CASES)

@@ -38,7 +38,10 @@ def test_oasis_sets_dependent_defaults(model):
     (dict(kv_sparse_config='{"budget": 512}'), "budget"),
     (dict(page_size=4), "--page-size"),
     (dict(attention_backend="flashinfer"), "--attention-backend"),
-    (dict(speculative_algorithm="NGRAM"), "--speculative-algorithm"),
+    (dict(speculative_algorithm="DFLASH"), "--speculative-algorithm"),
+    (dict(speculative_algorithm="NGRAM", speculative_ngram_max_bfs_breadth=3), "--speculative-ngram-max-bfs-breadth"),
+    (dict(speculative_algorithm="NGRAM", speculative_ngram_min_bfs_breadth=2), "--speculative-ngram-min-bfs-breadth"),
+    (dict(speculative_algorithm="NGRAM", speculative_num_draft_tokens=4), "--speculative-num-draft-tokens"),
     (dict(speculative_algorithm="EAGLE3", speculative_num_draft_tokens=4), "--speculative-num-draft-tokens"),
     (dict(speculative_algorithm="EAGLE3", speculative_eagle_topk=2), "--speculative-eagle-topk"),
     (dict(kv_sparse_config='{"predictor": "lookahead"}'), "predictor"),
@@ -84,3 +87,10 @@ def test_simulated_acceptance_is_refused(model, monkeypatch):
     monkeypatch.setenv("SGLANG_SIMULATE_ACC_LEN", "2")
     with pytest.raises(OasisConfigError, match="SGLANG_SIMULATE_ACC_LEN"):
         make(model, kv_sparse="oasis", speculative_algorithm="EAGLE3")
+
+
+def test_ngram_draft_is_a_chain_of_one(model):
+    """SGLang's model-free n-gram drafter as the look-ahead source: one draft token (topk 1)."""
+    a = make(model, kv_sparse="oasis", speculative_algorithm="NGRAM")
+    assert (a.speculative_ngram_max_bfs_breadth, a.speculative_eagle_topk, a.speculative_num_draft_tokens) == (1, 1, 2)
+    assert a.attention_backend == "intel_amx"

@@ -54,6 +54,9 @@ HOOKS: tuple[Hook, ...] = (
     Hook("sglang.srt.arg_groups.overrides._attention_backend_platform_fallbacks", "AROUND",
          "oasis_sglang.sglang_glue.spec_fix:platform_fallback_hook",
          "keep intel_amx (torch ops) for speculative decoding on a CPU without AMX: EAGLE has no torch_native backend"),
+    Hook("sglang.kernels.ops.speculative.ngram_corpus.load_jit", "AROUND",
+         "oasis_sglang.sglang_glue.spec_fix:ngram_load_jit_hook",
+         "0.5.17 bug: the n-gram corpus C++ (NGRAM drafter) misses #include <cstddef> and fails to build with g++ 13"),
     # the draft token as OasisKV's look-ahead probe (inert unless --kv-sparse oasis runs with a draft)
     Hook("sglang.srt.speculative.eagle_utils.verify_tree_greedy_func", "AROUND",
          "oasis_sglang.sglang_glue.spec_probe:verify_tree_greedy_hook",

@@ -66,6 +66,21 @@ class OasisKVPool(MHATokenToKVPool):
         self.oasis.write_kv(layer_id, loc, cache_k, cache_v)
 
 
+    def move_kv_cache(self, tgt_loc: torch.Tensor, src_loc: torch.Tensor):
+        """Speculative decoding's move of accepted draft tokens' KV to their final slots
+        (``spec_utils.move_accept_tokens_to_target_kvcache``; NGRAM calls it every step).
+
+        With ``--kv-sparse oasis`` the draft is a probe that is never accepted, so every move is
+        the identity (the bonus token already sits where it belongs) and nothing is copied.
+        Args: ``tgt_loc`` / ``src_loc`` ``[N]`` int64 token slots (one host read to check them).
+        Raises:
+            RuntimeError: a move to another slot (a draft was accepted), before anything changes.
+        """
+        if tgt_loc.numel() and bool((tgt_loc != src_loc).any()):
+            raise RuntimeError("OasisKV: a speculative draft was accepted (its KV would move to another slot); "
+                               "with --kv-sparse oasis drafts are look-ahead probes and must be rejected")
+
+
 def build_mha_kv_pool_hook(original, self, *args, **kwargs):
     """AROUND ``KVCacheConfigurator._build_mha_kv_pool``: OasisKVPool when ``--kv-sparse oasis``."""
     sa = self.server_args

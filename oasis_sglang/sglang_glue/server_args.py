@@ -16,7 +16,7 @@ logger = logging.getLogger(__name__)
 
 SUPPORTED_ATTENTION_BACKENDS = ("torch_native", "triton", "intel_amx")   # intel_amx: CPU (EAGLE needs it there)
 DEFAULT_MAX_RUNNING_REQUESTS = 64
-PAIRED_FORWARD_ALGORITHMS = ("EAGLE3", "EAGLE", "STANDALONE")
+PAIRED_FORWARD_ALGORITHMS = ("EAGLE3", "EAGLE", "STANDALONE", "NGRAM")   # NGRAM: model-free drafts
 
 
 def _is_cpu(args) -> bool:
@@ -97,7 +97,20 @@ def handle_kv_sparse_args(args) -> OasisConfig:
             args.dtype = "float32" if cpu else _target_dtype(args)
             if args.dtype != "auto":
                 logger.info("OasisKV: --dtype %s with a draft (target and draft must share a dtype)", args.dtype)
-        for flag, want in (("speculative_num_steps", 1), ("speculative_eagle_topk", 1), ("speculative_num_draft_tokens", 2)):
+        ngram = str(spec).upper() == "NGRAM"
+        if ngram:
+            # SGLang's n-gram drafter: a chain of one draft token (its topk is the BFS breadth)
+            if getattr(args, "speculative_ngram_min_bfs_breadth", 1) != 1:
+                bad("--speculative-ngram-min-bfs-breadth", "must be 1 (one draft token beside the normal one)")
+            if args.speculative_ngram_max_bfs_breadth not in (1, _default(args, "speculative_ngram_max_bfs_breadth")):
+                bad("--speculative-ngram-max-bfs-breadth", f"must be 1 (one draft token beside the normal one), "
+                    f"got {args.speculative_ngram_max_bfs_breadth!r}")
+            args.speculative_ngram_max_bfs_breadth = 1
+            if getattr(args, "speculative_ngram_external_corpus_path", None):
+                bad("--speculative-ngram-external-corpus-path", "is not supported with the look-ahead probe")
+        wants = (("speculative_num_draft_tokens", 2),) if ngram else \
+            (("speculative_num_steps", 1), ("speculative_eagle_topk", 1), ("speculative_num_draft_tokens", 2))
+        for flag, want in wants:
             val = getattr(args, flag, None)
             if val is None:
                 setattr(args, flag, want)
@@ -140,6 +153,13 @@ def handle_kv_sparse_args(args) -> OasisConfig:
     args.kv_sparse_config = cfg.to_json()
     logger.info("OasisKV enabled: %s", args.kv_sparse_config)
     return cfg
+
+
+def _default(args, name: str):
+    """SGLang's default of ``ServerArgs.<name>`` (a value equal to it is taken as not set by the user)."""
+    import dataclasses
+
+    return next((f.default for f in dataclasses.fields(type(args)) if f.name == name), None)
 
 
 def _target_dtype(args) -> str:

@@ -115,3 +115,11 @@ def platform_fallback_hook(original, view, *args, **kwargs):
     logger.info("oasis-sglang: speculative decoding on CPU keeps the intel_amx attention backend (torch "
                 "decode/extend_attention_cpu; seq_lens fix %s)", "DISABLED" if spec_fix_disabled() else "on")
     return {}
+
+
+def ngram_load_jit_hook(original, *args, **kwargs):
+    """AROUND ``sglang.kernels.ops.speculative.ngram_corpus.load_jit``: SGLang 0.5.17's n-gram
+    corpus header (``jit/csrc/ngram_corpus/result.h``) uses ``size_t`` without including
+    ``<cstddef>``, which g++ 13 refuses; pre-include it. Harmless where it already compiles."""
+    kwargs["extra_cflags"] = list(kwargs.get("extra_cflags") or []) + ["-include", "cstddef"]
+    return original(*args, **kwargs)
