@@ -54,8 +54,9 @@ class Run:
             e.extend_attention(l, self.Q[l][:, :n].reshape(-1, HQ, D).to(self.dev), self.rows.to(self.dev),
                                torch.zeros(B, dtype=torch.long), torch.full((B,), n), self.rt, None, k, v)
 
-    def step(self, draft=False, hook=None):
-        """One decode step (token ``self.t``) through every sparse layer; returns {layer: out}."""
+    def step(self, draft=False, hook=None, host=False):
+        """One decode step (token ``self.t``) through every sparse layer; returns {layer: out}.
+        ``host``: pass the rows and lengths as host integers too (what the SGLang glue does)."""
         e, t, outs = self.eng, self.t, {}
         seq = torch.full((len(self.rows),), t + 1)
         for l in e.sparse_layers:
@@ -63,9 +64,9 @@ class Run:
                 hook(l)
             k, v = self.K[l][:, t].to(self.dev), self.V[l][:, t].to(self.dev)
             e.write_kv(l, self.loc(t), k, v, decode=True)
-            kw = {}
+            kw = dict(rows_host=self.rows.tolist(), seq_lens_host=seq.tolist()) if host else {}
             if draft:
-                kw = dict(q_draft=self.Qd[l][:, t].to(self.dev), k_draft=torch.randn(len(self.rows), H, D).to(self.dev),
+                kw.update(q_draft=self.Qd[l][:, t].to(self.dev), k_draft=torch.randn(len(self.rows), H, D).to(self.dev),
                           v_draft=torch.randn(len(self.rows), H, D).to(self.dev))
             outs[l] = e.decode_attention(l, self.Q[l][:, t].to(self.dev), k, v, self.rows.to(self.dev), seq.to(self.dev),
                                          self.rt, None, t + 1, **kw)
@@ -181,10 +182,14 @@ def test_capped_eviction_bounds_traffic_under_prediction_drift(seed, cap, predic
     assert r["evicted_blocks"] > 0 and r["sync_steps"] == 0
 
 
-def test_unpredicted_context_falls_back_to_synchronous_selection(seed):
+@pytest.mark.parametrize("host", [False, True])
+def test_unpredicted_context_falls_back_to_synchronous_selection(seed, host):
     """A request whose context differs from the predicted one (e.g. resumed after a skipped
-    step) is served by the current query, exactly as the ``current`` predictor would."""
+    step) is served by the current query, exactly as the ``current`` predictor would. With
+    ``host`` the decision comes from the host mirror (no device read), confirmed on the device
+    at every step here."""
     a, b = _engine(16, "previous"), _engine(16, "current")
+    a.host_check_interval = 1
     torch.manual_seed(7)
     ra = Run(a, [2], 20, 40)
     torch.manual_seed(7)
@@ -192,12 +197,35 @@ def test_unpredicted_context_falls_back_to_synchronous_selection(seed):
     for r in (ra, rb):
         r.prefill()
         r.t += 1                                                       # the context jumps by one token
-    oa, ob = ra.step(), rb.step()
+    oa, ob = ra.step(host=host), rb.step()
     assert a.stats.sync_steps == 1
     for l in a.sparse_layers:
         assert torch.equal(oa[l], ob[l])
-    ra.step()
+    ra.step(host=host)
     assert a.stats.sync_steps == 1, "predicted again from the next step on"
+    assert (a._pred_host is not None) == host, "the mirror agreed with the device at every step"
+
+
+def test_host_mirror_follows_resets_and_turns_off_without_host_values(seed):
+    eng = _engine(16, "previous")
+    eng.host_check_interval = 1
+    run = Run(eng, [1, 2], 20, 40)
+    run.prefill()
+    assert eng._pred_host == {1: 21, 2: 21}, "the prefill predicts the first decode step"
+    run.step(host=True)
+    assert eng.stats.sync_steps == 0 and eng._pred_host == {1: 22, 2: 22}
+    eng.reset_rows([1])
+    assert eng._pred_host == {2: 22}
+    run.step(host=True)                     # row 1 lost its prediction: this step selects synchronously
+    assert eng.stats.sync_steps == 1 and eng._pred_host is not None
+    run.step()                              # a caller without host values: the mirror is dropped ...
+    assert eng._pred_host is None
+    run.t += 1
+    run.step(host=True)                     # ... and the device record decides from then on
+    assert eng.stats.sync_steps == 2
+    with pytest.raises(ValueError, match="rows_host"):
+        eng.decode_attention(1, torch.randn(2, HQ, D), torch.randn(2, H, D), torch.randn(2, H, D), run.rows,
+                             torch.full((2,), run.t + 1), run.rt, None, rows_host=[1], seq_lens_host=[3])
 
 
 def test_reset_rows_drops_predictions_and_slots(seed):

@@ -21,13 +21,17 @@ over the new tokens plus any cached prefix read back from the host tier.
 
 from __future__ import annotations
 
+import logging
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from ..config import OasisConfig, OasisConfigError
 from . import attention as attn
+
+logger = logging.getLogger(__name__)
 from .host_tier import HostTier
 from .ops import BaseKVOps, TorchKVOps
 from .prefetch import PrefetchPipeline, get_predictor
@@ -100,6 +104,11 @@ class OasisSparseKV:
         self.pipe = PrefetchPipeline(L, self.device)
         # context length each row's working set was last predicted for, per layer (-1: none)
         self._pred_seq = torch.full((L, num_rows), -1, dtype=torch.int64, device=self.device)
+        # host mirror of the first sparse layer's predictions {row: context}, kept while every
+        # call brings the rows and lengths on the host: the per-step check then reads no device
+        # memory (no host synchronisation on the decode path); None once it cannot be trusted
+        self._pred_host: dict[int, int] | None = {}
+        self.host_check_interval = 64      # steps between confirmations of the mirror on the device
         self._agreement = torch.zeros((L, 2), dtype=torch.int64, device=self.device)   # [hits, true blocks]
         self._pred_wanted = (torch.full((L, num_rows, head_num, cfg.budget_blocks), -1, dtype=torch.int64,
                                         device=self.device) if cfg.measure_agreement else None)
@@ -189,6 +198,8 @@ class OasisSparseKV:
             self._issue_prefetch(li, q[ends[sel]].view(len(keep), -1, self.head_dim),
                                  rows.to(self.device, torch.int64)[sel], seq_next, rtt,
                                  -(-max(pre_c[i] + ext_c[i] + 1 for i in keep) // self.bs))
+            if li == 0:
+                self._mirror([rows_c[i] for i in keep], [pre_c[i] + ext_c[i] + 1 for i in keep])
         return out
 
     # ---- decode ---------------------------------------------------------------------------
@@ -196,7 +207,8 @@ class OasisSparseKV:
                          rows: torch.Tensor, seq_lens: torch.Tensor, req_to_token: torch.Tensor,
                          scale: float | None, max_seq_len: int | None = None,
                          q_draft: torch.Tensor | None = None, k_draft: torch.Tensor | None = None,
-                         v_draft: torch.Tensor | None = None) -> torch.Tensor:
+                         v_draft: torch.Tensor | None = None, rows_host: Sequence[int] | None = None,
+                         seq_lens_host: Sequence[int] | None = None) -> torch.Tensor:
         """Decode of a sparse layer (one new token per request, already written by ``write_kv``).
 
         Args:
@@ -209,6 +221,10 @@ class OasisSparseKV:
                 at position ``seq_lens``: it attends over the same working set plus the new
                 token and itself; its K/V are never written (a probe). Its query feeds the
                 ``lookahead`` predictor.
+            rows_host, seq_lens_host: ``rows`` and ``seq_lens`` as host integers (SGLang's
+                ``req_pool_indices_cpu`` / ``seq_lens_cpu``), when the caller has them: the
+                per-step "was every row predicted for this context?" check then reads no
+                device memory (confirmed on the device every ``host_check_interval`` steps).
         Returns:
             ``[B, Hq, Dv]``, or ``[B, 2, Hq, Dv]`` (normal row, draft row) with a draft row.
         Raises:
@@ -239,8 +255,14 @@ class OasisSparseKV:
         max_seq = max_seq_len if max_seq_len is not None else int(seq.max())
         nb_max = -(-max_seq // bs)
         rtt = req_to_token if req_to_token.device == self.device else req_to_token.to(self.device)
+        host = None
+        if rows_host is not None and seq_lens_host is not None:
+            host = [int(r) for r in rows_host], [int(x) for x in seq_lens_host]
+            if len(host[0]) != B or len(host[1]) != B:
+                raise ValueError(f"decode_attention: rows_host / seq_lens_host have {len(host[0])} / "
+                                 f"{len(host[1])} entries for a batch of {B}")
         if li <= self._last_li:
-            self._begin_step(li, rows_d, seq)
+            self._begin_step(li, rows_d, seq, host)
         self._last_li = li
         self.pipe.wait(li)
         qv = q.view(B, -1, self.head_dim)
@@ -264,12 +286,27 @@ class OasisSparseKV:
         if self.predictor.asynchronous:
             qd = None if q_draft is None else q_draft.view(B, -1, self.head_dim)
             self._issue_prefetch(li, self.predictor.query(qv, qd), rows_d, seq + 1, rtt, -(-(max_seq + 1) // bs))
+            if li == 0:
+                self._mirror(None if host is None else host[0], None if host is None else [x + 1 for x in host[1]])
         if q_draft is None:
             return out.view(B, q.shape[1], self.v_head_dim)
         return out
 
-    def _begin_step(self, li: int, rows: torch.Tensor, seq: torch.Tensor) -> None:
-        """Host bookkeeping at the first sparse layer of a decode step (one host read at most)."""
+    def _mirror(self, rows_h, seq_next_h) -> None:
+        """Record the first sparse layer's predictions on the host (or stop trusting the mirror
+        when a prediction came without host values)."""
+        if self._pred_host is None:
+            return
+        if rows_h is None:
+            self._pred_host = None
+            return
+        self._pred_host.update(zip(rows_h, seq_next_h))
+
+    def _begin_step(self, li: int, rows: torch.Tensor, seq: torch.Tensor, host=None) -> None:
+        """Host bookkeeping at the first sparse layer of a decode step: decides whether every
+        row was predicted for exactly this context, from the host mirror when ``host`` =
+        ``(rows, seq_lens)`` as host integers is given (no device read), else with one host
+        read of the device record."""
         self._step += 1
         self._step_d += 1
         s = self.stats
@@ -280,7 +317,17 @@ class OasisSparseKV:
         if self.predictor.asynchronous and not self.assume_predicted:
             # every row must have been predicted for exactly this context; otherwise this step
             # selects synchronously (e.g. a request resumed with another length)
-            self._sync_step = bool((self._pred_seq[li][rows] != seq).any())
+            if host is not None and self._pred_host is not None and li == 0:
+                self._sync_step = any(self._pred_host.get(r) != x for r, x in zip(*host))
+                if self._step % self.host_check_interval == 0:     # confirm the mirror on the device
+                    dev = bool((self._pred_seq[li][rows] != seq).any())
+                    if dev != self._sync_step:
+                        logger.error("OasisKV: host record of predictions disagrees with the device (host %s, "
+                                     "device %s); reading the device every step from now on",
+                                     self._sync_step, dev)
+                        self._pred_host, self._sync_step = None, dev
+            else:
+                self._sync_step = bool((self._pred_seq[li][rows] != seq).any())
             s.sync_steps += int(self._sync_step)
 
     def _predict(self, li, q, rows, seq, rtt, nb_max):
@@ -366,6 +413,9 @@ class OasisSparseKV:
         self.pipe.drain()
         self.ws.reset_rows(rows)
         self._pred_seq[:, torch.as_tensor(rows, dtype=torch.int64, device=self.device)] = -1
+        if self._pred_host is not None:
+            for r in torch.as_tensor(rows).reshape(-1).tolist():
+                self._pred_host.pop(int(r), None)
 
     def residency(self) -> dict:
         """KV residency of the last decode step and memory sizes (bytes). Reads the device counters.
@@ -404,4 +454,5 @@ class OasisSparseKV:
             "sync_steps": s.sync_steps,
             "exposed_wait_ms": waits,
             "agreement": [a / t if t else None for a, t in agree] if self.cfg.measure_agreement else None,
+            "prediction_check": "host" if self._pred_host is not None else "device",
         }

@@ -85,10 +85,12 @@ class OasisAttnBackend(AttentionBackend):
             return self.inner.forward_decode(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
         self._write(layer, forward_batch, k, v, save_kv_cache, decode=True)
         H = layer.tp_k_head_num
+        rows_h, seq_h = _host_rows(forward_batch)
         o = self.engine.decode_attention(
             layer.layer_id, q.view(-1, layer.tp_q_head_num, layer.qk_head_dim), k.view(-1, H, layer.qk_head_dim),
             v.view(-1, H, layer.v_head_dim), forward_batch.req_pool_indices, forward_batch.seq_lens,
-            self.req_to_token_pool.req_to_token, layer.scaling, _max_seq_len(forward_batch))
+            self.req_to_token_pool.req_to_token, layer.scaling, _max_seq_len(forward_batch),
+            rows_host=rows_h, seq_lens_host=seq_h)
         if layer.layer_id == self.last_sparse_layer:
             self._maybe_log()
         return o.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
@@ -113,10 +115,11 @@ class OasisAttnBackend(AttentionBackend):
             self.engine.write_kv(layer.layer_id, forward_batch.out_cache_loc.view(-1, 2)[:, 0], k2[:, 0], v2[:, 0],
                                  decode=True)
         mx = _max_seq_len(forward_batch)
+        rows_h, seq_h = _host_rows(forward_batch, extra=1)
         o = self.engine.decode_attention(
             layer.layer_id, q2[:, 0], k2[:, 0], v2[:, 0], forward_batch.req_pool_indices, forward_batch.seq_lens + 1,
             self.req_to_token_pool.req_to_token, layer.scaling, None if mx is None else mx + 1,
-            q_draft=q2[:, 1], k_draft=k2[:, 1], v_draft=v2[:, 1])
+            q_draft=q2[:, 1], k_draft=k2[:, 1], v_draft=v2[:, 1], rows_host=rows_h, seq_lens_host=seq_h)
         if layer.layer_id == self.last_sparse_layer:
             self._maybe_log()
         return o.reshape(-1, Hq * Dv)
@@ -234,6 +237,28 @@ def draft_backend_hook(result, self, *args, **kwargs):
     return result
 
 
+def _host_rows(forward_batch, extra: int = 0):
+    """``(request rows, seq_lens + extra)`` as host integer lists when the batch carries both
+    (``forward_batch_rows_hook`` and SGLang's ``seq_lens_cpu``), else ``(None, None)``."""
+    rows = getattr(forward_batch, "oasis_rows_cpu", None)
+    seq = getattr(forward_batch, "seq_lens_cpu", None)
+    B = forward_batch.req_pool_indices.shape[0]
+    if rows is None or seq is None or len(rows) != B or len(seq) != B:
+        return None, None
+    return rows.tolist(), (seq + extra).tolist()
+
+
+def forward_batch_rows_hook(result, *args, **kwargs):
+    """AFTER ``ForwardBatch.init_new``: keep the scheduler batch's host copy of the request rows
+    (``ScheduleBatch.req_pool_indices_cpu``) as ``oasis_rows_cpu``, so the engine's per-step
+    check needs no device read. Any ``--kv-sparse``: it only sets an attribute."""
+    batch = kwargs.get("batch") or next((a for a in args if hasattr(a, "req_pool_indices_cpu")), None)
+    rows = getattr(batch, "req_pool_indices_cpu", None)
+    if result is not None and rows is not None:
+        result.oasis_rows_cpu = rows
+    return result
+
+
 def _max_seq_len(forward_batch) -> int | None:
     """``max(seq_lens)`` from SGLang's host copy of the lengths, when the batch carries one."""
     cpu = getattr(forward_batch, "seq_lens_cpu", None)
@@ -252,6 +277,7 @@ def format_residency(r: dict) -> str:
             f"H2D: {r['bytes_h2d'] / 2**20:.1f} MiB, working set: {r['working_set_bytes'] / 2**20:.1f} MiB, "
             f"summaries: {r['summary_bytes'] / 2**20:.1f} MiB, host tier: {r['host_tier_bytes'] / 2**20:.1f} MiB, "
             f"predictor: {r['predictor']}, fallback synchronous steps: {r['sync_steps']}, "
+            f"prediction check: {r.get('prediction_check', 'device')}, "
             f"exposed wait: {sum(r['exposed_wait_ms']):.3f} ms (last step, all sparse layers)"
             + ("" if r["agreement"] is None else
                f", agreement: {_mean(r['agreement']):.4f} (min layer {_min(r['agreement']):.4f})")
