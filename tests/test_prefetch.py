@@ -204,6 +204,8 @@ def test_unpredicted_context_falls_back_to_synchronous_selection(seed, host):
     ra.step(host=host)
     assert a.stats.sync_steps == 1, "predicted again from the next step on"
     assert (a._pred_host is not None) == host, "the mirror agreed with the device at every step"
+    a.residency()
+    assert (a._pred_host is not None) == host, "and with the device's whole record"
 
 
 def test_host_mirror_follows_resets_and_turns_off_without_host_values(seed):
@@ -218,6 +220,10 @@ def test_host_mirror_follows_resets_and_turns_off_without_host_values(seed):
     assert eng._pred_host == {2: 22}
     run.step(host=True)                     # row 1 lost its prediction: this step selects synchronously
     assert eng.stats.sync_steps == 1 and eng._pred_host is not None
+    eng._pred_host[2] += 5                  # a corrupted record is caught at the next report ...
+    eng.residency()
+    assert eng._pred_host is None
+    eng._pred_host = {1: run.t + 1, 2: run.t + 1}
     run.step()                              # a caller without host values: the mirror is dropped ...
     assert eng._pred_host is None
     run.t += 1

@@ -108,7 +108,9 @@ class OasisSparseKV:
         # call brings the rows and lengths on the host: the per-step check then reads no device
         # memory (no host synchronisation on the decode path); None once it cannot be trusted
         self._pred_host: dict[int, int] | None = {}
-        self.host_check_interval = 64      # steps between confirmations of the mirror on the device
+        # steps between confirmations of a step's decision on the device (0: never on the decode
+        # path; residency() compares the whole record at every report instead)
+        self.host_check_interval = 0
         self._agreement = torch.zeros((L, 2), dtype=torch.int64, device=self.device)   # [hits, true blocks]
         self._pred_wanted = (torch.full((L, num_rows, head_num, cfg.budget_blocks), -1, dtype=torch.int64,
                                         device=self.device) if cfg.measure_agreement else None)
@@ -224,7 +226,7 @@ class OasisSparseKV:
             rows_host, seq_lens_host: ``rows`` and ``seq_lens`` as host integers (SGLang's
                 ``req_pool_indices_cpu`` / ``seq_lens_cpu``), when the caller has them: the
                 per-step "was every row predicted for this context?" check then reads no
-                device memory (confirmed on the device every ``host_check_interval`` steps).
+                device memory (the record is compared with the device one at each ``residency()``).
         Returns:
             ``[B, Hq, Dv]``, or ``[B, 2, Hq, Dv]`` (normal row, draft row) with a draft row.
         Raises:
@@ -302,6 +304,18 @@ class OasisSparseKV:
             return
         self._pred_host.update(zip(rows_h, seq_next_h))
 
+    def _confirm_mirror(self) -> None:
+        """Compare the host record of predictions with the device one (a host read; called when
+        reporting). On a mismatch: log an error and read the device every step from then on."""
+        if not self._pred_host:
+            return
+        dev = self._pred_seq[0].tolist()
+        bad = {r: (s, dev[r]) for r, s in self._pred_host.items() if dev[r] != s}
+        if bad:
+            logger.error("OasisKV: host record of predictions disagrees with the device for rows %s (host, "
+                         "device); reading the device every step from now on", dict(list(bad.items())[:8]))
+            self._pred_host = None
+
     def _begin_step(self, li: int, rows: torch.Tensor, seq: torch.Tensor, host=None) -> None:
         """Host bookkeeping at the first sparse layer of a decode step: decides whether every
         row was predicted for exactly this context, from the host mirror when ``host`` =
@@ -319,7 +333,7 @@ class OasisSparseKV:
             # selects synchronously (e.g. a request resumed with another length)
             if host is not None and self._pred_host is not None and li == 0:
                 self._sync_step = any(self._pred_host.get(r) != x for r, x in zip(*host))
-                if self._step % self.host_check_interval == 0:     # confirm the mirror on the device
+                if self.host_check_interval and self._step % self.host_check_interval == 0:
                     dev = bool((self._pred_seq[li][rows] != seq).any())
                     if dev != self._sync_step:
                         logger.error("OasisKV: host record of predictions disagrees with the device (host %s, "
@@ -424,6 +438,7 @@ class OasisSparseKV:
             RuntimeError: a decoded token found its block not resident (``WorkingSet.check``).
         """
         self.pipe.drain()
+        self._confirm_mirror()
         self.ws.check()
         s = self.stats
         hits, admitted, evicted, written_back = (int(x) for x in self._counters.sum(0).tolist())
