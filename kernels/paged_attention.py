@@ -107,20 +107,32 @@ def paged_attention(q, k_buf, v_buf, req_to_token, rows, kv_lens, scale: float |
     """Triton version of :meth:`TorchKVOps.paged_attention` (same arguments and result).
 
     ``num_splits``: splits of the context (default ``choose_paged_splits`` from ``max_kv_len``;
-    without ``max_kv_len`` one device read of ``kv_lens.max()``); ``block_n``: tokens per tile.
+    without ``max_kv_len`` one device read of ``kv_lens.max()``; a wrong hint costs speed, never
+    correctness: each split's length is derived per request on the device); ``block_n``: tokens
+    per tile.
+    Undefined without ``OASIS_KERNEL_CHECKS=1`` (as in SGLang's kernels): rows or slots out of
+    range (an illegal memory access) and ``kv_lens < NQ`` (NaN rows). A non-finite V of the last
+    token also turns the rows that do not see it into NaN (masked scores still meet ``0 * inf``
+    in the ``p @ V`` product); real K/V are finite.
     Raises:
         AssertionError: shapes, strides, dtypes or devices do not match.
         IndexError: with ``OASIS_KERNEL_CHECKS=1``, a row out of range or ``kv_lens < NQ``.
     """
+    assert q.dim() == 4 and k_buf.dim() == 3 and v_buf.dim() == 3 and req_to_token.dim() == 2, \
+        f"q [B, NQ, Hq, D], k_buf / v_buf [N, H, D], req_to_token [R, L] expected, got {tuple(q.shape)}, " \
+        f"{tuple(k_buf.shape)}, {tuple(v_buf.shape)}, {tuple(req_to_token.shape)}"
     B, NQ, Hq, D = q.shape
     N, H, Dk = k_buf.shape
     Dv = v_buf.shape[-1]
     assert Dk == D and v_buf.shape[:2] == (N, H), (q.shape, k_buf.shape, v_buf.shape)
     assert NQ in (1, 2) and Hq % H == 0, f"q must be [B, 1 or 2, Hq, D] with Hq a multiple of H={H}, got {tuple(q.shape)}"
     assert q.stride(3) == 1 and k_buf.stride(2) == 1 and v_buf.stride(2) == 1, "q, k_buf and v_buf need a unit last stride"
-    assert req_to_token.stride(1) == 1 and k_buf.dtype == v_buf.dtype
-    assert rows.shape == kv_lens.shape == (B,), (rows.shape, kv_lens.shape, B)
-    assert rows.device == kv_lens.device == k_buf.device == q.device == req_to_token.device
+    assert req_to_token.stride(1) == 1, "req_to_token needs a unit last stride"
+    assert k_buf.dtype == v_buf.dtype, f"k_buf {k_buf.dtype} and v_buf {v_buf.dtype} must share a dtype"
+    assert rows.shape == kv_lens.shape == (B,), f"rows {tuple(rows.shape)} and kv_lens {tuple(kv_lens.shape)} must be [{B}]"
+    assert rows.is_contiguous() and kv_lens.is_contiguous(), "rows and kv_lens must be contiguous"
+    assert rows.device == kv_lens.device == k_buf.device == q.device == req_to_token.device, \
+        "q, k_buf, v_buf, req_to_token, rows and kv_lens must be on one device"
     G = Hq // H
     o = torch.empty((B, NQ, Hq, Dv), dtype=q.dtype, device=q.device)
     if B == 0:
@@ -128,6 +140,8 @@ def paged_attention(q, k_buf, v_buf, req_to_token, rows, kv_lens, scale: float |
     if checks_enabled():
         check_range(rows, 0, req_to_token.shape[0], "rows")
         check_range(kv_lens, NQ, req_to_token.shape[1] + 1, "kv_lens")
+        for r, n in zip(rows.tolist(), kv_lens.tolist()):
+            check_range(req_to_token[r, :n], 0, N, "req_to_token (token slots)")
     if num_splits is None:
         mx = int(kv_lens.max()) if max_kv_len is None else int(max_kv_len)
         num_splits = choose_paged_splits(B, H, mx, block_n, q.device)

@@ -373,3 +373,11 @@ def test_index_checks_name_the_argument(monkeypatch):
     q, kb, vb, rtt, rows, kv = _paged_case([4, 9], 1, 2, 16, 16, 2, torch.float32)
     with pytest.raises(IndexError, match="kv_lens"):
         paged_attention(q, kb, vb, rtt, rows, torch.tensor([1, 9], device=DEV), None)
+    bad = rtt.clone()
+    bad[rows[1], 3] = 10**6
+    with pytest.raises(IndexError, match="req_to_token"):
+        paged_attention(q, kb, vb, bad, rows, torch.tensor([4, 9], device=DEV), None)
+    with pytest.raises(IndexError, match="kv_lens"):      # the reference checks always
+        REF.paged_attention(q, kb, vb, rtt, rows, torch.tensor([4, rtt.shape[1] + 1], device=DEV), None)
+    with pytest.raises(AssertionError, match="contiguous"):
+        paged_attention(q, kb, vb, rtt, torch.stack([rows, rows], 1)[:, 0], torch.tensor([4, 9], device=DEV), None)

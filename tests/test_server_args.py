@@ -42,6 +42,8 @@ def test_oasis_sets_dependent_defaults(model):
     (dict(speculative_algorithm="NGRAM", speculative_ngram_max_bfs_breadth=3), "--speculative-ngram-max-bfs-breadth"),
     (dict(speculative_algorithm="NGRAM", speculative_ngram_min_bfs_breadth=2), "--speculative-ngram-min-bfs-breadth"),
     (dict(speculative_algorithm="NGRAM", speculative_num_draft_tokens=4), "--speculative-num-draft-tokens"),
+    (dict(speculative_algorithm="NGRAM", speculative_ngram_external_corpus_path=""), "--speculative-ngram-external-corpus-path"),
+    (dict(speculative_algorithm="NGRAM", speculative_ngram_min_bfs_breadth=1.0), "--speculative-ngram-min-bfs-breadth"),
     (dict(speculative_algorithm="EAGLE3", speculative_num_draft_tokens=4), "--speculative-num-draft-tokens"),
     (dict(speculative_algorithm="EAGLE3", speculative_eagle_topk=2), "--speculative-eagle-topk"),
     (dict(kv_sparse_config='{"predictor": "lookahead"}'), "predictor"),

@@ -121,6 +121,8 @@ class BaseKVOps:
                 device read); ignored by the reference.
         Returns:
             ``o [B, NQ, Hq, Dv]`` in q's dtype.
+        Raises (reference): ``IndexError`` for a row or length out of the table, ``ValueError``
+        for ``kv_lens < NQ``.
         Same result as SGLang's verify / draft-extend pass (``triton_backend.forward_extend``
         with a causal chain, topk 1) over the same pool.
         """
@@ -199,7 +201,12 @@ class TorchKVOps(BaseKVOps):
         B, NQ, Hq, D = q.shape
         o = q.new_empty((B, NQ, Hq, v_buf.shape[-1]))
         rows_c, kv_c = rows.tolist(), kv_lens.tolist()
+        R, width = req_to_token.shape
         for b in range(B):
+            if not 0 <= int(rows_c[b]) < R:
+                raise IndexError(f"paged_attention: rows[{b}] = {rows_c[b]} is not in [0, {R})")
+            if int(kv_c[b]) > width:
+                raise IndexError(f"paged_attention: kv_lens[{b}] = {kv_c[b]} exceeds req_to_token's width {width}")
             for i in range(NQ):
                 n = int(kv_c[b]) - (NQ - 1 - i)
                 if n < 1:

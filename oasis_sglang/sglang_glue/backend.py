@@ -19,6 +19,36 @@ from ..core import OasisSparseKV
 logger = logging.getLogger(__name__)
 
 
+# members AttentionBackend defines that the wrappers override themselves (``forward`` and
+# ``forward_mixed`` dispatch to the wrapper's forward_extend / forward_decode)
+_OWN = {"forward", "forward_mixed", "forward_extend", "forward_decode", "init_forward_metadata", "support_triton",
+        "needs_cpu_seq_lens"}
+
+
+def delegate_base_members(cls):
+    """Class decorator: every method and property ``AttentionBackend`` defines (CUDA-graph
+    hooks, ``verify_mask``, ...) goes to ``self.inner`` instead of the base class's default, so
+    a wrapper behaves as the backend it wraps; plain class attributes are read from the inner
+    backend at construction. ``needs_cpu_seq_lens`` stays True: the wrappers use SGLang's host
+    copy of the lengths."""
+    for name, val in vars(AttentionBackend).items():
+        if name.startswith("__") or name in _OWN or name in vars(cls):
+            continue
+        if isinstance(val, property):
+            setattr(cls, name, property((lambda n: lambda self: getattr(self.inner, n))(name)))
+        elif callable(val) or isinstance(val, (staticmethod, classmethod)):
+            setattr(cls, name, (lambda n: lambda self, *a, **k: getattr(self.inner, n)(*a, **k))(name))
+    return cls
+
+
+def _copy_plain_attributes(wrapper, inner) -> None:
+    for name, val in vars(AttentionBackend).items():
+        if not name.startswith("__") and name not in _OWN and not callable(val) \
+                and not isinstance(val, (property, staticmethod, classmethod)) and hasattr(inner, name):
+            setattr(wrapper, name, getattr(inner, name))
+
+
+@delegate_base_members
 class OasisAttnBackend(AttentionBackend):
     """Attention backend for ``--kv-sparse oasis``.
 
@@ -34,6 +64,7 @@ class OasisAttnBackend(AttentionBackend):
         super().__init__()
         self.metrics = metrics
         self.inner, self.engine, self.pool, self.req_to_token_pool = inner, engine, pool, req_to_token_pool
+        _copy_plain_attributes(self, inner)
         self.token_to_kv_pool = pool
         self.log_interval = max(1, int(log_interval))
         self.last_sparse_layer = engine.sparse_layers[-1] if engine.sparse_layers else -1
@@ -137,6 +168,7 @@ class OasisAttnBackend(AttentionBackend):
                 self.metrics.update(r)
 
 
+@delegate_base_members
 class OasisDraftBackend(AttentionBackend):
     """The draft worker's draft-extend backend for ``--kv-sparse oasis`` with a draft.
 
@@ -149,6 +181,7 @@ class OasisDraftBackend(AttentionBackend):
     def __init__(self, inner: AttentionBackend, ops, pool, req_to_token_pool):
         super().__init__()
         self.inner, self.ops, self.pool, self.req_to_token_pool = inner, ops, pool, req_to_token_pool
+        _copy_plain_attributes(self, inner)
 
     def __getattr__(self, name):  # everything else is the wrapped backend's
         if name == "inner":
@@ -176,10 +209,17 @@ class OasisDraftBackend(AttentionBackend):
         return self.inner.forward_decode(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
 
 
+_PLAIN_KWARGS = ("sinks", "score_mod", "aux_tensors")
+
+
 def paged_ok(layer, kwargs) -> bool:
-    """``ops.paged_attention`` computes this layer exactly: plain causal softmax attention, no
-    logit cap, sliding window, sinks, score_mod or quantized KV (else the wrapped backend runs)."""
-    return (not getattr(layer, "is_cross_attention", False) and getattr(layer, "logit_cap", 0) in (0, None, 0.0)
+    """``ops.paged_attention`` computes this layer exactly: plain causal decoder self-attention,
+    no logit cap, sliding window, iRoPE, sinks, score_mod, quantized KV or extra inputs (else the
+    wrapped backend runs)."""
+    attn_type = getattr(getattr(layer, "attn_type", None), "name", "DECODER")
+    return (attn_type == "DECODER" and not getattr(layer, "use_irope", False)
+            and all(k in _PLAIN_KWARGS for k, v in kwargs.items() if v is not None)
+            and not getattr(layer, "is_cross_attention", False) and getattr(layer, "logit_cap", 0) in (0, None, 0.0)
             and (getattr(layer, "sliding_window_size", -1) or -1) < 0 and getattr(layer, "k_scale", None) is None
             and getattr(layer, "xai_temperature_len", -1) in (-1, None)
             and all(kwargs.get(a) is None for a in ("sinks", "score_mod", "aux_tensors")))
@@ -201,6 +241,8 @@ def paired_paged_attention(ops, pool, req_to_token, q, k, v, layer, forward_batc
     """
     Hq, H, D, Dv = layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim, layer.v_head_dim
     B = forward_batch.req_pool_indices.shape[0]
+    if save_kv_cache and (k is None or v is None):
+        raise RuntimeError("OasisKV: layers without their own K/V (KV sharing) are not supported")
     if q.shape[0] != 2 * B:
         raise RuntimeError(f"OasisKV: the paired forward needs 2 tokens per request, got {q.shape[0]} for {B} requests")
     if save_kv_cache:

@@ -76,7 +76,7 @@ class OasisKVPool(MHATokenToKVPool):
         Raises:
             RuntimeError: a move to another slot (a draft was accepted), before anything changes.
         """
-        if tgt_loc.numel() and bool((tgt_loc != src_loc).any()):
+        if tgt_loc.shape != src_loc.shape or (tgt_loc.numel() and bool((tgt_loc != src_loc).any())):
             raise RuntimeError("OasisKV: a speculative draft was accepted (its KV would move to another slot); "
                                "with --kv-sparse oasis drafts are look-ahead probes and must be rejected")
 

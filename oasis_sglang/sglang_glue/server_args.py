@@ -84,29 +84,33 @@ def handle_kv_sparse_args(args) -> OasisConfig:
         if str(spec).upper() not in PAIRED_FORWARD_ALGORITHMS:
             bad("--speculative-algorithm", f"{spec!r} is not supported (supported: {', '.join(PAIRED_FORWARD_ALGORITHMS)}: "
                 "the draft token rides the verify pass as the look-ahead probe)")
+        ngram = str(spec).upper() == "NGRAM"
         if getattr(args, "speculative_adaptive", False):
             bad("--speculative-adaptive", "changes the number of draft steps per batch; the look-ahead probe "
                 "needs exactly one draft token beside the normal one")
         if os.environ.get("SGLANG_SIMULATE_ACC_LEN"):
             bad("SGLANG_SIMULATE_ACC_LEN", "(environment) makes SGLang accept drafts, whose K/V the "
                 "look-ahead probe does not keep; unset it")
-        if getattr(args, "dtype", "auto") == "auto":
-            # with --dtype auto SGLang gives the draft the dtype of its own config: a float32 or
-            # fp16 draft beside a bf16 target fails at the first forward ("expected mat1 and mat2
-            # to have the same dtype"). CPU: float32; GPU: the target's own dtype.
+        if getattr(args, "dtype", "auto") == "auto" and (cpu or not ngram):
+            # with --dtype auto SGLang gives a draft model the dtype of its own config: a float32
+            # or fp16 draft beside a bf16 target fails at the first forward ("expected mat1 and
+            # mat2 to have the same dtype"). GPU: the target's own dtype (NGRAM has no draft
+            # model: left alone). CPU: float32, the dtype SGLang's intel_amx speculative path
+            # is tested in here.
             args.dtype = "float32" if cpu else _target_dtype(args)
             if args.dtype != "auto":
-                logger.info("OasisKV: --dtype %s with a draft (target and draft must share a dtype)", args.dtype)
-        ngram = str(spec).upper() == "NGRAM"
+                logger.info("OasisKV: --dtype %s with speculative decoding (%s)", args.dtype,
+                            "CPU intel_amx path" if cpu else "target and draft must share a dtype")
         if ngram:
             # SGLang's n-gram drafter: a chain of one draft token (its topk is the BFS breadth)
-            if getattr(args, "speculative_ngram_min_bfs_breadth", 1) != 1:
-                bad("--speculative-ngram-min-bfs-breadth", "must be 1 (one draft token beside the normal one)")
+            mn = getattr(args, "speculative_ngram_min_bfs_breadth", 1)
+            if mn != 1 or type(mn) is not int:
+                bad("--speculative-ngram-min-bfs-breadth", f"must be 1 (one draft token beside the normal one), got {mn!r}")
             if args.speculative_ngram_max_bfs_breadth not in (1, _default(args, "speculative_ngram_max_bfs_breadth")):
                 bad("--speculative-ngram-max-bfs-breadth", f"must be 1 (one draft token beside the normal one), "
                     f"got {args.speculative_ngram_max_bfs_breadth!r}")
             args.speculative_ngram_max_bfs_breadth = 1
-            if getattr(args, "speculative_ngram_external_corpus_path", None):
+            if getattr(args, "speculative_ngram_external_corpus_path", None) is not None:
                 bad("--speculative-ngram-external-corpus-path", "is not supported with the look-ahead probe")
         wants = (("speculative_num_draft_tokens", 2),) if ngram else \
             (("speculative_num_steps", 1), ("speculative_eagle_topk", 1), ("speculative_num_draft_tokens", 2))
@@ -169,7 +173,8 @@ def _target_dtype(args) -> str:
 
         hf = AutoConfig.from_pretrained(args.model_path, trust_remote_code=bool(args.trust_remote_code))
         tc = getattr(hf, "text_config", None) or hf
-        dt = getattr(tc, "dtype", None) or getattr(tc, "torch_dtype", None)
+        dt = (getattr(tc, "dtype", None) or getattr(tc, "torch_dtype", None) or getattr(hf, "dtype", None)
+              or getattr(hf, "torch_dtype", None))
     except Exception:  # noqa: BLE001 - remote or exotic configs: leave it to SGLang
         return "auto"
     name = str(dt).replace("torch.", "") if dt is not None else ""

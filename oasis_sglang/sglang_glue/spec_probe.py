@@ -19,7 +19,8 @@ Both are inert unless the OasisKV engine of this process runs with a draft (``AC
 Before rejecting, the verify hook counts the drafts that equal the target's own next token (what
 SGLang would have accepted): ``draft_match()``, shown as ``draft match`` in the ``OasisKV decode``
 log line. It tells how good the draft source is (a trained EAGLE-3 head or a self-draft: high;
-a random head: near 0) and that the draft layer's attention is right.
+a random head: near 0) and that the draft layer's attention is right. With NGRAM, steps where
+the corpus has no match carry its padding token (id 0) as the draft and count as misses.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def verify_tree_greedy_hook(original, *args, **kwargs):
             cand = args[3]
         tp = kwargs.get("target_predict", args[7] if len(args) > 7 else None)
         if tp is not None and cand.shape[1] > 1:
-            _count_matches(cand[:, 1], tp.reshape(cand.shape[0], -1)[:, 0])
+            _count_matches(cand[:, 1], tp.reshape(cand.shape[0], cand.shape[1])[:, 0])
         cand = cand.clone()
         cand[:, 1:] = -1                      # no vocabulary id: the greedy walk accepts nothing
         if "candidates" in kwargs:
