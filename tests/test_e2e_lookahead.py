@@ -94,7 +94,6 @@ def test_lookahead_is_exact_when_budget_covers_context(dense, eagle_full, tok):
     lines = eagle_full.residency_lines()
     assert lines and "predictor: lookahead" in lines[-1] and "synchronous steps: 0" in lines[-1], lines[-1:]
     assert "draft match: " in lines[-1], lines[-1]
-    assert "prediction check: host" in lines[-1], lines[-1]     # no device read per step
     log = eagle_full.log()
     assert "lookahead predictor" in log and "leak" not in log.lower()
     assert "draft layer's draft-extend pass runs torch paged attention" in log

@@ -1,4 +1,4 @@
-"""The four hot operations of OasisKV behind one interface, with their torch references.
+"""The hot operations of OasisKV (five) behind one interface, with their torch references.
 
 ``TorchKVOps`` is the reference implementation (any device; the path used on CPU).
 ``oasis_sglang.kernels.TritonKVOps`` implements the same methods as Triton kernels (CUDA, or
