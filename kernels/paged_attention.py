@@ -33,7 +33,7 @@ import triton.language as tl
 from oasis_sglang.core.ops import TorchKVOps
 
 from ._common import check_range, checks_enabled, interpreting, next_pow2, num_sms
-from .sparse_decode import LOG2E, _stage2
+from .sparse_decode import LOG2E, _softmax_finish, _softmax_tile, _stage2
 
 reference = TorchKVOps().paged_attention
 
@@ -75,22 +75,14 @@ def _paged_stage1(Q, KBuf, VBuf, ReqToToken, Rows, KvLens, MidO, MidL,
         loc = tl.load(ReqToToken + row * stride_rt + n, mask=nm, other=0).to(tl.int64)
         k = tl.load(KBuf + loc[:, None] * stride_kn + h * stride_kh + d[None, :],
                     mask=nm[:, None] & (d < D)[None, :], other=0.0)
-        s = tl.dot(q, tl.trans(k).to(q.dtype)) * qk_scale
-        s = tl.where(nm[None, :] & (n[None, :] < lim[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, m_new, l_i = _softmax_tile(q, k, nm[None, :] & (n[None, :] < lim[:, None]), m_i, l_i, qk_scale)
         v = tl.load(VBuf + loc[:, None] * stride_vn + h * stride_vh + dv[None, :],
                     mask=nm[:, None] & (dv < DV)[None, :], other=0.0)
         if UPCAST:
             v = v.to(tl.float32)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
-    has = l_i > 0
-    o = acc / tl.where(has, l_i, 1.0)[:, None]
-    lse2 = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))   # log2 domain
+    o, lse2 = _softmax_finish(acc, m_i, l_i)
     mo = MidO + b.to(tl.int64) * stride_mo_b + qi[:, None] * stride_mo_i + hq[:, None] * stride_mo_h + split * stride_mo_s + dv[None, :]
     tl.store(mo, o, mask=mm[:, None] & (dv < DV)[None, :])
     tl.store(MidL + b.to(tl.int64) * stride_ml_b + qi * stride_ml_i + hq * stride_ml_h + split, lse2, mask=mm)

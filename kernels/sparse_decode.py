@@ -37,6 +37,29 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _softmax_tile(q, k, mask, m_i, l_i, qk_scale):
+    """One KV tile of an online softmax (log2 domain): scores of ``q [M, D]`` against
+    ``k [N, D]`` where ``mask [M, N]``; returns ``(p, alpha, m_new, l_new)`` (the caller adds
+    ``p @ V`` to its accumulator scaled by ``alpha``). Shared by kernels 3 and 5."""
+    s = tl.dot(q, tl.trans(k).to(q.dtype)) * qk_scale
+    s = tl.where(mask, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
+def _softmax_finish(acc, m_i, l_i):
+    """Normalised partial output and its log2-domain LSE (``-inf`` for rows that saw nothing)."""
+    has = l_i > 0
+    o = acc / tl.where(has, l_i, 1.0)[:, None]
+    lse2 = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+    return o, lse2
+
+
+@triton.jit
 def _stage1(Q, WsK, WsV, Ids, Rows, SeqLens, MidO, MidL,
             stride_qb, stride_qi, stride_qh, stride_mo_b, stride_mo_i, stride_mo_h, stride_mo_s,
             stride_ml_b, stride_ml_i, stride_ml_h,
@@ -74,21 +97,13 @@ def _stage1(Q, WsK, WsV, Ids, Rows, SeqLens, MidO, MidL,
         blk = tl.load(Ids + rh * KS + e, mask=em, other=-1)
         valid = em & (blk >= 0) & (blk * BS + n % BS < seq)
         k = tl.load(WsK + (base + n)[:, None] * D + d[None, :], mask=valid[:, None] & (d < D)[None, :], other=0.0)
-        s = tl.dot(q, tl.trans(k).to(q.dtype)) * qk_scale
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, m_new, l_i = _softmax_tile(q, k, valid[None, :], m_i, l_i, qk_scale)
         v = tl.load(WsV + (base + n)[:, None] * DV + dv[None, :], mask=valid[:, None] & (dv < DV)[None, :], other=0.0)
         if UPCAST:
             v = v.to(tl.float32)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
-    has = l_i > 0
-    o = acc / tl.where(has, l_i, 1.0)[:, None]
-    lse2 = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))   # log2 domain
+    o, lse2 = _softmax_finish(acc, m_i, l_i)
     mo = MidO + b.to(tl.int64) * stride_mo_b + qi[:, None] * stride_mo_i + hq[:, None] * stride_mo_h + split * stride_mo_s + dv[None, :]
     tl.store(mo, o, mask=mm[:, None] & (dv < DV)[None, :])
     tl.store(MidL + b.to(tl.int64) * stride_ml_b + qi * stride_ml_i + hq * stride_ml_h + split, lse2, mask=mm)

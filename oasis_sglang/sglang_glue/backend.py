@@ -49,7 +49,39 @@ def _copy_plain_attributes(wrapper, inner) -> None:
 
 
 @delegate_base_members
-class OasisAttnBackend(AttentionBackend):
+class WrappedBackend(AttentionBackend):
+    """A backend that wraps the one SGLang built (``self.inner``) and answers for it: every
+    member it does not define, and every ``AttentionBackend`` member (``delegate_base_members``),
+    is the wrapped backend's; subclasses override ``forward_extend`` / ``forward_decode``."""
+
+    def __init__(self, inner: AttentionBackend):
+        super().__init__()
+        self.inner = inner
+        _copy_plain_attributes(self, inner)
+
+    def __getattr__(self, name):  # everything else is the wrapped backend's
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def init_forward_metadata(self, forward_batch):
+        """Delegate: the wrapped backend still serves the passes the wrapper does not take."""
+        return self.inner.init_forward_metadata(forward_batch)
+
+    def support_triton(self):
+        """Delegate to the wrapped backend."""
+        return self.inner.support_triton()
+
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        """Delegate."""
+        return self.inner.forward_decode(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        """Delegate."""
+        return self.inner.forward_extend(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
+
+
+class OasisAttnBackend(WrappedBackend):
     """Attention backend for ``--kv-sparse oasis``.
 
     Args:
@@ -61,26 +93,12 @@ class OasisAttnBackend(AttentionBackend):
 
     def __init__(self, inner: AttentionBackend, engine: OasisSparseKV, pool, req_to_token_pool,
                  log_interval: int = 40, metrics=None):
-        super().__init__()
+        super().__init__(inner)
         self.metrics = metrics
-        self.inner, self.engine, self.pool, self.req_to_token_pool = inner, engine, pool, req_to_token_pool
-        _copy_plain_attributes(self, inner)
+        self.engine, self.pool, self.req_to_token_pool = engine, pool, req_to_token_pool
         self.token_to_kv_pool = pool
         self.log_interval = max(1, int(log_interval))
         self.last_sparse_layer = engine.sparse_layers[-1] if engine.sparse_layers else -1
-
-    def __getattr__(self, name):  # everything else is the wrapped backend's
-        if name == "inner":
-            raise AttributeError(name)
-        return getattr(self.inner, name)
-
-    def init_forward_metadata(self, forward_batch):
-        """Delegate: the wrapped backend still serves the dense layers."""
-        return self.inner.init_forward_metadata(forward_batch)
-
-    def support_triton(self):
-        """Delegate to the wrapped backend."""
-        return self.inner.support_triton()
 
     def _write(self, layer, forward_batch, k, v, save_kv_cache, decode: bool):
         if k is None or v is None:
@@ -168,8 +186,7 @@ class OasisAttnBackend(AttentionBackend):
                 self.metrics.update(r)
 
 
-@delegate_base_members
-class OasisDraftBackend(AttentionBackend):
+class OasisDraftBackend(WrappedBackend):
     """The draft worker's draft-extend backend for ``--kv-sparse oasis`` with a draft.
 
     After each paired forward SGLang's EAGLE v2 worker runs a DRAFT_EXTEND_V2 pass of 2 tokens
@@ -179,22 +196,8 @@ class OasisDraftBackend(AttentionBackend):
     """
 
     def __init__(self, inner: AttentionBackend, ops, pool, req_to_token_pool):
-        super().__init__()
-        self.inner, self.ops, self.pool, self.req_to_token_pool = inner, ops, pool, req_to_token_pool
-        _copy_plain_attributes(self, inner)
-
-    def __getattr__(self, name):  # everything else is the wrapped backend's
-        if name == "inner":
-            raise AttributeError(name)
-        return getattr(self.inner, name)
-
-    def init_forward_metadata(self, forward_batch):
-        """Delegate (the wrapped backend serves every pass but DRAFT_EXTEND_V2)."""
-        return self.inner.init_forward_metadata(forward_batch)
-
-    def support_triton(self):
-        """Delegate to the wrapped backend."""
-        return self.inner.support_triton()
+        super().__init__(inner)
+        self.ops, self.pool, self.req_to_token_pool = ops, pool, req_to_token_pool
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         """DRAFT_EXTEND_V2 (``forward_batch.seq_lens`` already counts its 2 tokens): paged
@@ -203,10 +206,6 @@ class OasisDraftBackend(AttentionBackend):
             return paired_paged_attention(self.ops, self.pool, self.req_to_token_pool.req_to_token,
                                           q, k, v, layer, forward_batch, save_kv_cache, extra_lens=0)
         return self.inner.forward_extend(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
-
-    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
-        """Delegate."""
-        return self.inner.forward_decode(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
 
 
 _PLAIN_KWARGS = ("sinks", "score_mod", "aux_tensors")
