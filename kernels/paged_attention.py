@@ -33,7 +33,7 @@ import triton.language as tl
 from oasis_sglang.core.ops import TorchKVOps
 
 from ._common import check_range, checks_enabled, interpreting, next_pow2, num_sms
-from .sparse_decode import LOG2E, _softmax_finish, _softmax_tile, _stage2
+from .sparse_decode import LOG2E, _group_queries, _softmax_finish, _softmax_tile, _stage2, _store_partial
 
 reference = TorchKVOps().paged_attention
 
@@ -52,17 +52,10 @@ def _paged_stage1(Q, KBuf, VBuf, ReqToToken, Rows, KvLens, MidO, MidL,
     h = pid % H
     row = tl.load(Rows + b).to(tl.int64)
     kv = tl.load(KvLens + b).to(tl.int64)
-    m_offs = tl.arange(0, BLOCK_M)
-    qi = m_offs // G
-    hq = h * G + m_offs % G
-    mm = m_offs < NQ * G
+    q, qi, hq, mm = _group_queries(Q, b, h, stride_qb, stride_qi, stride_qh, NQ, G, D, BLOCK_M, BLOCK_D, UPCAST)
     lim = kv - (NQ - 1 - qi)                     # tokens row qi sees
     d = tl.arange(0, BLOCK_D)
     dv = tl.arange(0, BLOCK_DV)
-    q = tl.load(Q + b.to(tl.int64) * stride_qb + qi[:, None] * stride_qi + hq[:, None] * stride_qh + d[None, :],
-                mask=mm[:, None] & (d < D)[None, :], other=0.0)
-    if UPCAST:      # the Triton 3.6 interpreter computes bf16 tl.dot wrongly: dot in fp32 there
-        q = q.to(tl.float32)
     split_len = tl.cdiv(tl.cdiv(kv, NSPLIT), BLOCK_N) * BLOCK_N
     lo = split * split_len
     hi = tl.minimum(lo + split_len, kv)
@@ -83,9 +76,8 @@ def _paged_stage1(Q, KBuf, VBuf, ReqToToken, Rows, KvLens, MidO, MidL,
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     o, lse2 = _softmax_finish(acc, m_i, l_i)
-    mo = MidO + b.to(tl.int64) * stride_mo_b + qi[:, None] * stride_mo_i + hq[:, None] * stride_mo_h + split * stride_mo_s + dv[None, :]
-    tl.store(mo, o, mask=mm[:, None] & (dv < DV)[None, :])
-    tl.store(MidL + b.to(tl.int64) * stride_ml_b + qi * stride_ml_i + hq * stride_ml_h + split, lse2, mask=mm)
+    _store_partial(MidO, MidL, b, qi, hq, mm, split, o, lse2, stride_mo_b, stride_mo_i, stride_mo_h, stride_mo_s,
+                   stride_ml_b, stride_ml_i, stride_ml_h, DV, BLOCK_DV)
 
 
 def choose_paged_splits(B: int, H: int, max_kv_len: int, block_n: int, device: torch.device) -> int:

@@ -60,6 +60,34 @@ def _softmax_finish(acc, m_i, l_i):
 
 
 @triton.jit
+def _group_queries(Q, b, h, stride_qb, stride_qi, stride_qh, NQ: tl.constexpr, G: tl.constexpr,
+                   D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr):
+    """The ``NQ * G`` query rows of request ``b``'s GQA group ``h`` as one ``[BLOCK_M, BLOCK_D]``
+    tile (row ``m`` = query row ``qi = m // G`` of query head ``hq = h * G + m % G``); returns
+    ``(q, qi, hq, row_mask)``. Shared by kernels 3 and 5."""
+    m_offs = tl.arange(0, BLOCK_M)
+    qi = m_offs // G
+    hq = h * G + m_offs % G
+    mm = m_offs < NQ * G
+    d = tl.arange(0, BLOCK_D)
+    q = tl.load(Q + b.to(tl.int64) * stride_qb + qi[:, None] * stride_qi + hq[:, None] * stride_qh + d[None, :],
+                mask=mm[:, None] & (d < D)[None, :], other=0.0)
+    if UPCAST:      # the Triton 3.6 interpreter computes bf16 tl.dot wrongly: dot in fp32 there
+        q = q.to(tl.float32)
+    return q, qi, hq, mm
+
+
+@triton.jit
+def _store_partial(MidO, MidL, b, qi, hq, mm, split, o, lse2, stride_mo_b, stride_mo_i, stride_mo_h, stride_mo_s,
+                   stride_ml_b, stride_ml_i, stride_ml_h, DV: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """Write one split's partial output ``o [BLOCK_M, BLOCK_DV]`` and its LSE ``lse2 [BLOCK_M]``."""
+    dv = tl.arange(0, BLOCK_DV)
+    mo = MidO + b.to(tl.int64) * stride_mo_b + qi[:, None] * stride_mo_i + hq[:, None] * stride_mo_h + split * stride_mo_s + dv[None, :]
+    tl.store(mo, o, mask=mm[:, None] & (dv < DV)[None, :])
+    tl.store(MidL + b.to(tl.int64) * stride_ml_b + qi * stride_ml_i + hq * stride_ml_h + split, lse2, mask=mm)
+
+
+@triton.jit
 def _stage1(Q, WsK, WsV, Ids, Rows, SeqLens, MidO, MidL,
             stride_qb, stride_qi, stride_qh, stride_mo_b, stride_mo_i, stride_mo_h, stride_mo_s,
             stride_ml_b, stride_ml_i, stride_ml_h,
@@ -73,16 +101,9 @@ def _stage1(Q, WsK, WsV, Ids, Rows, SeqLens, MidO, MidL,
     h = pid % H
     row = tl.load(Rows + b).to(tl.int64)
     seq = tl.load(SeqLens + b).to(tl.int64)
-    m_offs = tl.arange(0, BLOCK_M)
-    qi = m_offs // G
-    hq = h * G + m_offs % G
-    mm = m_offs < NQ * G
+    q, qi, hq, mm = _group_queries(Q, b, h, stride_qb, stride_qi, stride_qh, NQ, G, D, BLOCK_M, BLOCK_D, UPCAST)
     d = tl.arange(0, BLOCK_D)
     dv = tl.arange(0, BLOCK_DV)
-    q = tl.load(Q + b.to(tl.int64) * stride_qb + qi[:, None] * stride_qi + hq[:, None] * stride_qh + d[None, :],
-                mask=mm[:, None] & (d < D)[None, :], other=0.0)
-    if UPCAST:      # the Triton 3.6 interpreter computes bf16 tl.dot wrongly: dot in fp32 there
-        q = q.to(tl.float32)
     rh = row * H + h
     base = rh * KS * BS
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
@@ -104,9 +125,8 @@ def _stage1(Q, WsK, WsV, Ids, Rows, SeqLens, MidO, MidL,
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     o, lse2 = _softmax_finish(acc, m_i, l_i)
-    mo = MidO + b.to(tl.int64) * stride_mo_b + qi[:, None] * stride_mo_i + hq[:, None] * stride_mo_h + split * stride_mo_s + dv[None, :]
-    tl.store(mo, o, mask=mm[:, None] & (dv < DV)[None, :])
-    tl.store(MidL + b.to(tl.int64) * stride_ml_b + qi * stride_ml_i + hq * stride_ml_h + split, lse2, mask=mm)
+    _store_partial(MidO, MidL, b, qi, hq, mm, split, o, lse2, stride_mo_b, stride_mo_i, stride_mo_h, stride_mo_s,
+                   stride_ml_b, stride_ml_i, stride_ml_h, DV, BLOCK_DV)
 
 
 @triton.jit
