@@ -279,24 +279,19 @@ def draft_backend_hook(result, self, *args, **kwargs):
 
 
 _warned_host = False
-_ROWS: dict = {}      # id(ForwardBatch) -> (that ForwardBatch, its ScheduleBatch's req_pool_indices_cpu)
 
 
 def _host_rows(forward_batch, extra: int = 0):
-    """``(request rows, seq_lens + extra)`` as host integer lists when both are known on the host
-    (``forward_batch_rows_hook`` and SGLang's ``seq_lens_cpu``), else ``(None, None)``.
+    """``(request rows, seq_lens + extra)`` as host integer lists when both are on the host,
+    else ``(None, None)``: the CPU engine's rows and SGLang's ``seq_lens_cpu``.
 
-    Known gap: SGLang 0.5.17's speculative verify pass reaches the backend with a ForwardBatch
-    that ``ForwardBatch.init_new`` did not return, so on CUDA the rows are unknown there and the
-    engine's check reads the device once per step (the log line says ``prediction check:
-    device``)."""
+    Known gap: on CUDA the batch rows are a device tensor, and SGLang 0.5.17's ForwardBatch
+    carries no host copy (an ``init_new`` hook recording ``ScheduleBatch.req_pool_indices_cpu``
+    missed the speculative verify batch, which reaches the backend as another object), so the
+    engine's check reads the device once per step there (``prediction check: device``)."""
     global _warned_host
     dev_rows = forward_batch.req_pool_indices
-    if dev_rows.device.type == "cpu":          # CPU engine: the rows already live on the host
-        rows = dev_rows
-    else:
-        entry = _ROWS.get(id(forward_batch))
-        rows = entry[1] if entry is not None and entry[0] is forward_batch else None
+    rows = dev_rows if dev_rows.device.type == "cpu" else None     # CPU engine: already on the host
     seq = getattr(forward_batch, "seq_lens_cpu", None)
     B = forward_batch.req_pool_indices.shape[0]
     if rows is None or seq is None or len(rows) != B or len(seq) != B:
@@ -307,20 +302,6 @@ def _host_rows(forward_batch, extra: int = 0):
             _warned_host = True
         return None, None
     return rows.tolist(), (seq + extra).tolist()
-
-
-def forward_batch_rows_hook(result, *args, **kwargs):
-    """AFTER ``ForwardBatch.init_new``: remember the scheduler batch's host copy of the request
-    rows (``ScheduleBatch.req_pool_indices_cpu``) for the new ForwardBatch, so the
-    engine's per-step check needs no device read. Any ``--kv-sparse``: it only records."""
-    batch = kwargs.get("batch") or next((a for a in args if hasattr(a, "req_pool_indices_cpu")), None)
-    rows = getattr(batch, "req_pool_indices_cpu", None)
-    if rows is not None and result is not None:
-        # kept beside the ForwardBatch, not on it: SGLang may replace its tensors (padding)
-        _ROWS[id(result)] = (result, rows)
-        while len(_ROWS) > 8:
-            _ROWS.pop(next(iter(_ROWS)))
-    return result
 
 
 def _max_seq_len(forward_batch) -> int | None:
