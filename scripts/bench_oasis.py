@@ -21,6 +21,11 @@ Suites:
            ``dense``, ``dense-eagle3`` for reference); issue 4's <= 1.15x target is
            step(oasis-eagle3) / step(oasis).
 
+  throughput  issue 5 (1): ``dense`` with the KV pool of an 80 GB GPU (``--mem-fraction-static
+           0.475``: 22 requests of 16K) vs ``oasis`` with a host tier of ``--batch`` requests
+           (decode steps in CUDA graphs); e.g. ``--batch 32 --input-len 16384 --output-len 256
+           --predictor previous``.
+
 Random weights give no real draft acceptance and no real attention pattern: these runs measure
 speed only; the predicted top-K is used as if it were real (the pipeline does the same work).
 Writes ``<out>/bench_oasis.md`` (table), ``.json`` (raw) and each server's log.
@@ -50,22 +55,41 @@ SERVING = {"output_tok_s": r"Output token throughput \(tok/s\):\s+([\d.]+)",
            "completed": r"Successful requests:\s+(\d+)"}
 EAGLE = ["--speculative-algorithm", "EAGLE3", "--speculative-num-steps", "1", "--speculative-eagle-topk", "1",
          "--speculative-num-draft-tokens", "2"]
-SUITES = {"paired": ["oasis", "oasis-eagle3", "dense", "dense-eagle3"]}
+SUITES = {"paired": ["oasis", "oasis-eagle3", "dense", "dense-eagle3"],
+          "throughput": ["dense", "oasis"]}
+# throughput suite: the KV pool an 80 GB GPU holds for Qwen3-8B (issue 5; 367,922 tokens on the H200)
+DENSE_80GB_MEM_FRACTION = 0.475
 
 
 def system_args(name: str, a) -> list[str]:
-    """Server flags of system ``name`` (``dense``, ``dense-eagle3``, ``oasis``, ``oasis-eagle3``)."""
-    tokens = a.batch * (a.input_len + a.output_len + 64)
+    """Server flags of system ``name`` (``dense``, ``dense-eagle3``, ``oasis``, ``oasis-eagle3``).
+
+    ``paired``: every system gets a KV pool (host tier for oasis) of exactly ``--batch`` requests.
+    ``throughput``: dense gets the 80 GB-equivalent pool (``--mem-fraction-static 0.475``) and runs
+    as many requests as fit there; oasis gets a host tier of ``--batch`` requests (its device
+    memory holds only the working sets), so ``--batch`` is what the host tier allows.
+    """
+    ctx = a.input_len + a.output_len + 64
     args = ["--load-format", "dummy", "--attention-backend", "triton", "--sampling-backend", "pytorch",
-            "--max-running-requests", str(a.batch), "--context-length", str(a.input_len + a.output_len + 64),
-            "--max-total-tokens", str(tokens), "--log-level", "info", "--decode-log-interval", "10"]
+            "--max-running-requests", str(a.batch), "--context-length", str(ctx),
+            "--log-level", "info", "--decode-log-interval", "10"]
+    if a.suite == "throughput" and name == "dense":
+        args += ["--mem-fraction-static", str(DENSE_80GB_MEM_FRACTION)]
+    else:
+        args += ["--max-total-tokens", str(a.batch * ctx)]
     if name.startswith("dense"):
         args += ["--disable-prefill-cuda-graph", "--cuda-graph-max-bs", str(max(8, a.batch))]
     else:
         cfg = {"budget_tokens": a.budget, "kernels": "triton"}
         if a.fetch_cap is not None:
             cfg["fetch_cap"] = a.fetch_cap
+        if a.predictor:
+            cfg["predictor"] = a.predictor
         args += oasis_args(**cfg)
+        if not name.endswith("eagle3"):
+            args += ["--cuda-graph-max-bs", str(max(8, a.batch))]
+        if a.eager:
+            args += ["--disable-cuda-graph"]
     if name.endswith("eagle3"):
         args += EAGLE + ["--speculative-draft-model-path", os.environ["D"]]
     return args
@@ -122,8 +146,12 @@ def run_system(name: str, a, out: Path) -> dict:
 def table(results: list[dict], a) -> str:
     """Markdown table; ``x step`` is each system's step time over the first one with the same base."""
     base = {r["system"]: r.get("step_ms") for r in results}
-    lines = [f"Qwen3-8B-shaped dummy (random weights), {a.batch} requests of {a.input_len} input tokens running "
-             f"together, {a.output_len} output tokens each; oasis budget {a.budget}, fetch_cap {a.fetch_cap or 'default (8)'}.", "",
+    lines = [f"Qwen3-8B-shaped dummy (random weights), suite {a.suite}: {a.batch} requests of {a.input_len} input "
+             f"tokens sent together, {a.output_len} output tokens each; oasis budget {a.budget}, fetch_cap "
+             f"{a.fetch_cap or 'default (8)'}, predictor {a.predictor or 'default'}, "
+             f"{'eager' if a.eager else 'decode CUDA graphs'}"
+             + (f"; dense KV pool --mem-fraction-static {DENSE_80GB_MEM_FRACTION}" if a.suite == "throughput" else "")
+             + ".", "",
              "| system | most running | decode tok/s there | step ms | step vs same system without draft | output tok/s | "
              "median TPOT ms | median ITL ms |", "|---|---|---|---|---|---|---|---|"]
     f = lambda x, p=1: "-" if x is None else f"{x:.{p}f}"  # noqa: E731
@@ -151,6 +179,9 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=8, help="requests running together (= prompts = concurrency)")
     ap.add_argument("--budget", type=int, default=2048, help="oasis budget_tokens")
     ap.add_argument("--fetch-cap", type=int, default=None, help="oasis fetch_cap (default: the config's)")
+    ap.add_argument("--predictor", default=None, choices=["previous", "lookahead", "current"],
+                    help="oasis predictor (default: the config's: lookahead with a draft, else current)")
+    ap.add_argument("--eager", action="store_true", help="oasis without CUDA graphs")
     ap.add_argument("--timeout", type=int, default=900, help="seconds for a server start / one bench_serving run")
     ap.add_argument("--out", default=os.environ.get("OUT", "out") + "/bench_oasis")
     a = ap.parse_args()

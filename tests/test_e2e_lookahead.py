@@ -93,6 +93,8 @@ def test_lookahead_is_exact_when_budget_covers_context(dense, eagle_full, tok):
         assert info.get("spec_verify_ct") == n_new - 1, info      # a verify pass per token: no draft accepted
     lines = eagle_full.residency_lines()
     assert lines and "predictor: lookahead" in lines[-1] and "synchronous steps: 0" in lines[-1], lines[-1:]
+    # the scheduler's rows reached the verify pass: the per-step check read no device memory
+    assert "prediction check: host" in lines[-1], lines[-1]
     assert "draft match: " in lines[-1], lines[-1]
     log = eagle_full.log()
     assert "lookahead predictor" in log and "leak" not in log.lower()
@@ -111,6 +113,7 @@ def test_ngram_lookahead_is_exact_when_budget_covers_context(dense, ngram_full, 
         assert info.get("spec_verify_ct") == n_new - 1, info
     line = ngram_full.residency_lines()[-1]
     assert "predictor: lookahead" in line and "synchronous steps: 0" in line and "draft match: " in line, line
+    assert "prediction check: host" in line, line
 
 
 @pytest.mark.parametrize("tokens,depth", NEEDLE_CASES)

@@ -13,7 +13,7 @@ from oasis_sglang.core.attention import decode_attention
 from oasis_sglang.core.ops import TorchKVOps
 from oasis_sglang.core.prefetch import PREDICTORS, get_predictor
 
-BS, H, HQ, D = 4, 2, 6, 8
+BS, H, HQ, D = 4, 2, 6, 16          # D >= 16: the Triton kernels (CUDA-graph test) need it
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
@@ -30,7 +30,7 @@ class Run:
         self.eng, self.rows, self.dev = eng, torch.tensor(rows), device
         B = len(rows)
         self.rt = torch.zeros(eng.ws.R, 512, dtype=torch.int32, device=device)
-        pages = torch.randperm(1024 // BS)
+        pages = torch.randperm(1024 // BS - 1) + 1       # page 0 reserved, as SGLang's allocator does (padding)
         self.K = {l: torch.randn(B, n_total, H, D) for l in eng.sparse_layers}
         self.V = {l: torch.randn(B, n_total, H, D) for l in eng.sparse_layers}
         self.Q = {l: torch.randn(B, n_total, HQ, D) for l in eng.sparse_layers}   # fresh each step: worst drift
@@ -362,3 +362,161 @@ def test_measure_agreement_needs_a_predictor_that_predicts_ahead():
         _engine(16, "current", measure=True)
     with pytest.raises(OasisConfigError, match="measure_agreement"):
         OasisConfig(measure_agreement=True).predictor_for(False)
+
+
+def _graph_style_step(run, pad_rows=1):
+    """One decode step driven the way SGLang's decode CUDA-graph runner drives the glue: host
+    bookkeeping first (``graph_step``), then every sparse layer with ``graph_mode`` on and the
+    batch padded with request row 0 (context 1), as a captured batch of a larger size is."""
+    e, t = run.eng, run.t
+    B = len(run.rows)
+    seq = torch.full((B,), t + 1)
+    e.graph_step(run.rows.tolist(), seq.tolist())
+    e.graph_mode = True
+    rows = torch.cat([run.rows, torch.zeros(pad_rows, dtype=torch.long)])
+    seq_p = torch.cat([seq, torch.ones(pad_rows, dtype=torch.long)])
+    outs = {}
+    try:
+        for l in e.sparse_layers:
+            k = torch.cat([run.K[l][:, t], torch.randn(pad_rows, H, D)])
+            v = torch.cat([run.V[l][:, t], torch.randn(pad_rows, H, D)])
+            loc = torch.cat([run.loc(t), torch.zeros(pad_rows, dtype=torch.long)])
+            e.write_kv(l, loc, k, v, decode=True)
+            q = torch.cat([run.Q[l][:, t], torch.randn(pad_rows, HQ, D)])
+            outs[l] = e.decode_attention(l, q, k, v, rows, seq_p, run.rt, None, None)[:B]
+    finally:
+        e.graph_mode = False
+    run.t += 1
+    return outs
+
+
+@pytest.mark.parametrize("predictor", ["previous", "current"])
+def test_graph_mode_steps_equal_eager_steps(seed, predictor):
+    """Steps run in CUDA-graph mode (host bookkeeping in ``graph_step``, the context bound taken
+    from ``req_to_token``, a padding row that is never counted as a violation) attend exactly as
+    eager steps do and leave the same working sets."""
+    state = torch.random.get_rng_state()
+    res = {}
+    for mode in ("eager", "graph"):
+        torch.random.set_rng_state(state)
+        eng = _engine(16, predictor, fetch_cap=1, rows=4)
+        eng.padding_row = 0
+        run = Run(eng, [1, 3], 30, 60)
+        run.prefill()
+        outs = []
+        for i in range(20):
+            if mode == "graph" and i % 5 != 0:      # every fifth step eager, as after a refused replay
+                assert eng.can_replay(run.rows.tolist(), [run.t + 1] * 2)
+                outs.append(_graph_style_step(run))
+            else:
+                outs.append(run.step(host=True))
+        res[mode] = (eng, outs)
+    (a, oa), (b, ob) = res["eager"], res["graph"]
+    for x, y in zip(oa, ob):
+        for l in x:
+            assert torch.equal(x[l], y[l]), l
+    assert torch.equal(a.ws.ids[:, [1, 3]], b.ws.ids[:, [1, 3]])
+    rb = b.residency()                               # raises if a real row ever missed its block
+    assert rb["decode_steps"] == 20 and rb["graph_steps"] == 16 and rb["sync_steps"] == 0
+    assert rb["context_tokens"] == [50, 50] and rb["prediction_check"] == "host"
+
+
+def test_can_replay_needs_every_row_predicted(seed):
+    eng = _engine(16, "previous")
+    run = Run(eng, [1, 2], 20, 40)
+    assert not eng.can_replay([1, 2], [21, 21]), "nothing predicted yet"
+    run.prefill()
+    assert eng.can_replay([1, 2], [21, 21])
+    assert not eng.can_replay([1, 2], [21, 22]), "a row predicted for another context"
+    assert not eng.can_replay([1, 2], [21]), "lengths for another batch"
+    eng.reset_rows([2])
+    assert not eng.can_replay([1, 2], [21, 21]), "a freed row"
+    run.step()                                # no host values: the host record is dropped ...
+    assert not eng.can_replay([1, 2], [22, 22]), "... so nothing replays from then on"
+    assert _engine(16, "current").can_replay([5], [7]), "current selects inside the step anyway"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("predictor", ["previous", "lookahead"])
+def test_cuda_graph_replay_equals_eager(seed, predictor):
+    """A decode step captured in a real CUDA graph (three stage streams forked and joined inside
+    it; the Triton kernels) and replayed with new inputs matches eager steps with the same
+    kernels: same working sets, outputs within the attention tolerance; no invariant violation."""
+    from oasis_sglang.kernels import get_kv_ops
+
+    state = torch.random.get_rng_state()
+    res = {}
+    for mode in ("eager", "graph"):
+        torch.random.set_rng_state(state)
+        eng = _engine(32, predictor, fetch_cap=2, rows=8, device="cuda")
+        eng.ops = get_kv_ops("triton")                 # the kernels SGLang captures (the references sync)
+        eng.padding_row = 0
+        run = Run(eng, [3, 5, 7], 100, 160, "cuda")
+        run.prefill()
+        draft = predictor == "lookahead"
+        outs = [run.step(draft=draft, host=True)]
+        if mode == "eager":
+            outs += [run.step(draft=draft, host=True) for _ in range(12)]
+        else:
+            B = 4                                          # 3 requests + the padding row
+            rows = torch.tensor([3, 5, 7, 0], device="cuda")
+            seq = torch.ones(B, dtype=torch.long, device="cuda")
+            loc = torch.zeros(B, dtype=torch.long, device="cuda")
+            L = eng.sparse_layers
+            q = {l: torch.zeros(B, HQ, D, device="cuda") for l in L}
+            qd = {l: torch.zeros(B, HQ, D, device="cuda") for l in L}
+            kd = {l: torch.zeros(B, H, D, device="cuda") for l in L}
+            kv = {l: (torch.zeros(B, H, D, device="cuda"), torch.zeros(B, H, D, device="cuda")) for l in L}
+            out = {}
+
+            def step():
+                for l in L:
+                    eng.write_kv(l, loc, kv[l][0], kv[l][1], decode=True)
+                    kw = dict(q_draft=qd[l], k_draft=kd[l], v_draft=kd[l]) if draft else {}
+                    out[l] = eng.decode_attention(l, q[l], kv[l][0], kv[l][1], rows, seq, run.rt, None, None, **kw)
+
+            def load(t):
+                seq[:3] = t + 1
+                loc[:3] = run.loc(t)
+                for l in L:
+                    q[l][:3] = run.Q[l][:, t].cuda()
+                    qd[l][:3] = run.Qd[l][:, t].cuda()
+                    kv[l][0][:3], kv[l][1][:3] = run.K[l][:, t].cuda(), run.V[l][:, t].cuda()
+                    kd[l][:3] = torch.randn(3, H, D)
+
+            eng.graph_mode = True
+            g = torch.cuda.CUDAGraph()
+            eng.pipe.join()
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):               # warm-up on the padding row only
+                seq[:3], loc[:3] = 1, 0
+                rows[:3] = 0
+                step()
+                eng.pipe.join()
+            torch.cuda.current_stream().wait_stream(side)
+            torch.cuda.synchronize()
+            with torch.cuda.graph(g):
+                step()
+            eng.graph_mode = False
+            rows[:3] = torch.tensor([3, 5, 7])
+            for _ in range(12):
+                t = run.t
+                assert eng.can_replay([3, 5, 7], [t + 1] * 3)
+                load(t)
+                eng.graph_step([3, 5, 7], [t + 1] * 3)
+                g.replay()
+                outs.append({l: (o[:3] if not draft else (o[:3], None)) for l, o in out.items()})
+                outs[-1] = {l: v.clone() if not draft else (v[0].clone(), None) for l, v in outs[-1].items()}
+                run.t += 1
+        torch.cuda.synchronize()
+        res[mode] = (eng, outs)
+    (a, oa), (b, ob) = res["eager"], res["graph"]
+    assert torch.equal(a.ws.ids[:, [3, 5, 7]], b.ws.ids[:, [3, 5, 7]])
+    for x, y in zip(oa[1:], ob[1:]):
+        for l in x:
+            xa = x[l][0] if isinstance(x[l], tuple) else x[l]
+            ya = y[l][0] if isinstance(y[l], tuple) else y[l]
+            torch.testing.assert_close(xa[:, 0] if draft else xa, ya[:, 0] if draft else ya, rtol=1e-4, atol=1e-4)
+    rb = b.residency()
+    assert rb["graph_steps"] == 12 and rb["sync_steps"] == 0

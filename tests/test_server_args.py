@@ -96,3 +96,37 @@ def test_ngram_draft_is_a_chain_of_one(model):
     a = make(model, kv_sparse="oasis", speculative_algorithm="NGRAM")
     assert (a.speculative_ngram_max_bfs_breadth, a.speculative_eagle_topk, a.speculative_num_draft_tokens) == (1, 1, 2)
     assert a.attention_backend == "intel_amx"
+
+
+def _graph_args(**kw):
+    from types import SimpleNamespace
+
+    base = dict(disable_cuda_graph=False, speculative_algorithm=None, cuda_graph_config=None,
+                cuda_graph_backend_prefill=None, cuda_graph_backend_decode=None, disable_prefill_cuda_graph=False)
+    base.update(kw)
+    return SimpleNamespace(**base)
+
+
+def test_cuda_graphs_capture_decode_only():
+    """On CUDA without a draft, decode steps are captured (SGLang's decode graph runner) and the
+    prefill graph is turned off; with a draft or on CPU nothing is captured; a prefill or
+    piecewise decode graph backend the engine cannot run is refused naming the flag."""
+    from oasis_sglang.sglang_glue.server_args import _cuda_graph_args
+
+    a = _graph_args()
+    _cuda_graph_args(a, cpu=False)
+    assert not a.disable_cuda_graph and a.disable_prefill_cuda_graph
+    a = _graph_args(speculative_algorithm="EAGLE3")
+    _cuda_graph_args(a, cpu=False)
+    assert a.disable_cuda_graph
+    a = _graph_args()
+    _cuda_graph_args(a, cpu=True)
+    assert a.disable_cuda_graph
+    for kw, flag in ((dict(cuda_graph_backend_prefill="breakable"), "--cuda-graph-backend-prefill"),
+                     (dict(cuda_graph_backend_decode="tc_piecewise"), "--cuda-graph-backend-decode"),
+                     (dict(cuda_graph_config='{"prefill": {"backend": "full"}}'), "--cuda-graph-config")):
+        with pytest.raises(OasisConfigError, match=flag):
+            _cuda_graph_args(_graph_args(**kw), cpu=False)
+    a = _graph_args(cuda_graph_config='{"decode": {"backend": "full", "max_bs": 32}}')
+    _cuda_graph_args(a, cpu=False)
+    assert not a.disable_cuda_graph

@@ -79,6 +79,6 @@ def gather_working_set(ws_k: torch.Tensor, ws_v: torch.Tensor, ids: torch.Tensor
     if not bool((cnt == cnt[0]).all()):
         raise RuntimeError(f"OasisKV invariant: KV heads hold different token counts {cnt.tolist()}")
     n = int(cnt[0])
-    k = k[valid].view(H, n, -1).transpose(0, 1).contiguous()
-    v = v[valid].view(H, n, -1).transpose(0, 1).contiguous()
+    k = k[valid].view(H, n, ws_k.shape[-1]).transpose(0, 1).contiguous()
+    v = v[valid].view(H, n, ws_v.shape[-1]).transpose(0, 1).contiguous()
     return k, v

@@ -45,6 +45,7 @@ class OasisStats:
 
     decode_steps: int = 0
     sync_steps: int = 0              # steps that selected synchronously although the predictor is async
+    graph_steps: int = 0             # decode steps replayed from a CUDA graph (counted in decode_steps)
     new_request_started: bool = False  # a prefill ran since the previous decode step
 
 
@@ -97,6 +98,15 @@ class OasisSparseKV:
         # set by a caller that replays captured decode steps (CUDA graphs): every row is known to
         # be predicted for its context, so the per-step host check is skipped
         self.assume_predicted = False
+        # set by the glue while SGLang captures (and warms up) a decode CUDA graph: see
+        # ``decode_attention`` ("Graph mode") and ``graph_step``
+        self.graph_mode = False
+        # request row that pads a captured batch (SGLang's ReqToTokenPool never hands out row 0);
+        # its tokens are not counted as invariant violations. None: no padding row.
+        self.padding_row: int | None = None
+        # request rows (host integers, batch order) of the batch being run, when the glue knows
+        # them (SGLang: the scheduler's batch); None otherwise
+        self.batch_rows_host: list[int] | None = None
         self._last_li = L                  # layer order wraps -> a new decode step begins
         self._sync_step = True
         self._prefilled = False
@@ -254,9 +264,12 @@ class OasisSparseKV:
             return q.new_empty((0, q.shape[1], self.v_head_dim) if q_draft is None else (0, 2, q.shape[1], self.v_head_dim))
         rows_d = rows.to(self.device, torch.int64)
         seq = seq_lens.to(self.device, torch.int64)
-        max_seq = max_seq_len if max_seq_len is not None else int(seq.max())
-        nb_max = -(-max_seq // bs)
         rtt = req_to_token if req_to_token.device == self.device else req_to_token.to(self.device)
+        if self.graph_mode:          # captured: sized for the longest context a row can hold
+            max_seq = rtt.shape[1]
+        else:
+            max_seq = max_seq_len if max_seq_len is not None else int(seq.max())
+        nb_max = -(-max_seq // bs)
         host = None
         if rows_host is not None and seq_lens_host is not None:
             host = [int(r) for r in rows_host], [int(x) for x in seq_lens_host]
@@ -264,7 +277,11 @@ class OasisSparseKV:
                 raise ValueError(f"decode_attention: rows_host / seq_lens_host have {len(host[0])} / "
                                  f"{len(host[1])} entries for a batch of {B}")
         if li <= self._last_li:
-            self._begin_step(li, rows_d, seq, host)
+            if self.graph_mode:      # device clock only; the host bookkeeping is graph_step's
+                self._step_d += 1
+                self._sync_step = False
+            else:
+                self._begin_step(li, rows_d, seq, host)
         self._last_li = li
         self.pipe.wait(li)
         qv = q.view(B, -1, self.head_dim)
@@ -275,7 +292,7 @@ class OasisSparseKV:
         elif cfg.measure_agreement:
             self._measure_agreement(li, qv, rows_d, seq, rtt, nb_max)
         # 5. the new token into its resident block; completed blocks written back to the host tier
-        entry = self.ws.write_token(li, rows_d, seq - 1, k_new, v_new)
+        entry = self.ws.write_token(li, rows_d, seq - 1, k_new, v_new, skip_row=self.padding_row)
         self._write_back(li, rows_d, seq, entry, rtt)
         if q_draft is None:
             qq, kx, vx = q.view(B, 1, q.shape[1], q.shape[2]), None, None
@@ -288,11 +305,59 @@ class OasisSparseKV:
         if self.predictor.asynchronous:
             qd = None if q_draft is None else q_draft.view(B, -1, self.head_dim)
             self._issue_prefetch(li, self.predictor.query(qv, qd), rows_d, seq + 1, rtt, -(-(max_seq + 1) // bs))
-            if li == 0:
+            if li == 0 and not self.graph_mode:
                 self._mirror(None if host is None else host[0], None if host is None else [x + 1 for x in host[1]])
+        if self.graph_mode and li == len(self.sparse_layers) - 1:
+            # a captured step is self-contained: its prefetches join the compute stream before
+            # the graph ends (a graph cannot wait on work recorded outside it)
+            self.pipe.join()
         if q_draft is None:
             return out.view(B, q.shape[1], self.v_head_dim)
         return out
+
+    # ---- CUDA-graph decode (SGLang's decode graph runner) ------------------------------------
+    def can_replay(self, rows_host: Sequence[int], seq_lens_host: Sequence[int]) -> bool:
+        """Host-only check before replaying a captured decode step (no device read).
+
+        Args:
+            rows_host, seq_lens_host: the batch's request rows and context lengths (including
+                the new token), host integers, in batch order.
+        Returns:
+            True when the captured step computes this batch exactly as the eager one would: the
+            predictor selects synchronously (``current``), or every row was predicted for
+            exactly this context according to the host record. False when the record is not
+            trusted (a prediction came without host rows) or a row was not predicted: the
+            caller then runs the step eagerly, which selects synchronously.
+        """
+        if not self.predictor.asynchronous:
+            return True
+        if self._pred_host is None or len(rows_host) != len(seq_lens_host):
+            return False
+        return all(self._pred_host.get(int(r)) == int(x) for r, x in zip(rows_host, seq_lens_host))
+
+    def graph_step(self, rows_host: Sequence[int], seq_lens_host: Sequence[int]) -> None:
+        """Host bookkeeping of one decode step replayed from a CUDA graph; call before the replay.
+
+        The captured ``decode_attention`` calls did the device work (including the LRU clock)
+        when captured; what they did on the host (step counters, the host record of predictions,
+        the batch for reporting) happens here. It also makes the replay wait for prefetches
+        queued by eager work (a prefill predicts a request's first decode step).
+
+        Args:
+            rows_host, seq_lens_host: the real rows (no padding) and their context lengths.
+        """
+        self.pipe.join()
+        self.pipe.forget_waits()                  # exposed waits are timed on eager steps only
+        self._step += 1
+        s = self.stats
+        s.decode_steps += 1
+        s.graph_steps += 1
+        s.new_request_started, self._prefilled = self._prefilled, False
+        self._last_li = len(self.sparse_layers)
+        rows_l, seq_l = [int(r) for r in rows_host], [int(x) for x in seq_lens_host]
+        self._last_batch = (rows_l, seq_l)
+        if self.predictor.asynchronous:
+            self._mirror(rows_l, [x + 1 for x in seq_l])
 
     def _mirror(self, rows_h, seq_next_h) -> None:
         """Record the first sparse layer's predictions on the host (or stop trusting the mirror
@@ -445,6 +510,9 @@ class OasisSparseKV:
         ctx, held = [], []
         if self._last_batch is not None:
             rows, seq = self._last_batch
+            if isinstance(rows, list):           # recorded by graph_step (host values)
+                rows = torch.tensor(rows, dtype=torch.int64, device=self.device)
+                seq = torch.tensor(seq, dtype=torch.int64, device=self.device)
             li = 0
             ids0 = self.ws.ids[li][rows, 0]                                    # [B, K], layer 0, KV head 0
             held = ((seq[:, None] - ids0 * self.bs).clamp(0, self.bs) * (ids0 >= 0)).sum(-1).tolist()
@@ -467,6 +535,7 @@ class OasisSparseKV:
             "bytes_h2d": admitted * self._block_bytes,
             "bytes_d2h": written_back * self._block_bytes,
             "sync_steps": s.sync_steps,
+            "graph_steps": s.graph_steps,
             "exposed_wait_ms": waits,
             "agreement": [a / t if t else None for a, t in agree] if self.cfg.measure_agreement else None,
             "prediction_check": "host" if self._pred_host is not None else "device",

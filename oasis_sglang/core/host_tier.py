@@ -4,12 +4,38 @@ Layout per sparse layer: ``k[H, P, bs, D]`` and ``v[H, P, bs, Dv]`` — by layer
 block, so one (KV head, block) piece is ``bs * D`` contiguous elements (4 KiB for bs=16,
 D=128, bf16), the unit the device gathers. Block ``p`` holds SGLang token locations
 ``[p * bs, (p + 1) * bs)`` (SGLang's ``--page-size`` equals ``block_size``), so SGLang's own
-allocator, radix cache and free lists govern the host tier. Pinned when CUDA is present.
+allocator, radix cache and free lists govern the host tier. Pinned (``cudaHostRegister``) when
+CUDA is present.
 """
 
 from __future__ import annotations
 
 import torch
+
+
+def _pinned_zeros(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed host tensor page-locked in place with ``cudaHostRegister``.
+
+    Not ``torch.zeros(pin_memory=True)``: PyTorch's pinned host allocator rounds each
+    allocation up to a power of two, so a 1.1 GB layer takes 2 GB of page-locked RAM (a 74 GB
+    host tier asked for ~137 GB and the OOM killer stopped the server on the 128 GiB H200 host).
+    SGLang's HiCache host pool pins the same way (``mem_cache/pool_host/common.py``,
+    ``alloc_with_host_register``). Unregistered when the tensor is freed.
+
+    Raises:
+        RuntimeError: ``cudaHostRegister`` failed (e.g. the page-lock limit, ``ulimit -l``).
+    """
+    import weakref
+
+    t = torch.zeros(shape, dtype=dtype)
+    n = t.numel() * t.element_size()
+    cudart = torch.cuda.cudart()
+    rc = int(cudart.cudaHostRegister(t.data_ptr(), n, 0))
+    if rc != 0:
+        raise RuntimeError(f"OasisKV host tier: cudaHostRegister of {n / 2**30:.2f} GiB failed (error {rc}); "
+                           f"check the page-lock limit (ulimit -l) and free host memory")
+    weakref.finalize(t, cudart.cudaHostUnregister, t.data_ptr())
+    return t
 
 
 class HostTier:
@@ -28,9 +54,11 @@ class HostTier:
                  head_dim: int, v_head_dim: int, dtype: torch.dtype, pin_memory: bool = False):
         self.num_layers, self.num_pages, self.block_size = num_layers, num_pages, block_size
         self.head_num, self.head_dim, self.v_head_dim, self.dtype = head_num, head_dim, v_head_dim, dtype
-        kw = dict(dtype=dtype, device="cpu", pin_memory=pin_memory)
-        self.k = [torch.zeros((head_num, num_pages, block_size, head_dim), **kw) for _ in range(num_layers)]
-        self.v = [torch.zeros((head_num, num_pages, block_size, v_head_dim), **kw) for _ in range(num_layers)]
+        def alloc(shape):
+            return _pinned_zeros(shape, dtype) if pin_memory else torch.zeros(shape, dtype=dtype)
+
+        self.k = [alloc((head_num, num_pages, block_size, head_dim)) for _ in range(num_layers)]
+        self.v = [alloc((head_num, num_pages, block_size, v_head_dim)) for _ in range(num_layers)]
 
     @property
     def capacity_tokens(self) -> int:

@@ -100,7 +100,7 @@ class BaseKVOps:
             ``(o [B, NQ, Hq, Dv] in q's dtype, lse [B, NQ, Hq] float32 natural-log sum of
             exp(scaled scores), or None)``.
         Every resident token ``pos = ids * bs + t < seq_len`` is attended; free slots and
-        positions past the context are not.
+        positions past the context are not. A row that sees no token gets zeros (LSE ``-inf``).
         """
         raise NotImplementedError
 
@@ -189,6 +189,11 @@ class TorchKVOps(BaseKVOps):
                 if i == 1 and k_extra is not None:
                     kk = torch.cat([kw, k_extra[b:b + 1].to(kw.dtype)])
                     vv = torch.cat([vw, v_extra[b:b + 1].to(vw.dtype)])
+                if kk.shape[0] == 0:         # nothing resident (only a CUDA-graph padding row): zeros, as the kernel
+                    o[b, i] = 0
+                    if return_lse:
+                        lse[b, i] = float("-inf")
+                    continue
                 o[b, i] = decode_attention(q[b, i], kk, vv, scale)
                 if return_lse:
                     G = Hq // kk.shape[1]

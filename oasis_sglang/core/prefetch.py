@@ -171,6 +171,19 @@ class PrefetchPipeline:
                 cur.wait_stream(s)
         self._forked = False
 
+    def join(self) -> None:
+        """``drain`` and forget every layer's pending event: the current stream now orders
+        after all queued stages, so no later wait is needed (a CUDA-graph step ends with this,
+        and a replay starts with it so it orders after eager prefetches)."""
+        self.drain()
+        self.ready = [None] * self.L
+        for r in self._refs:
+            r.clear()
+
+    def forget_waits(self) -> None:
+        """Drop the recorded wait timings (a replayed CUDA-graph step records none)."""
+        self._wait_events = [None] * self.L
+
     def exposed_wait_ms(self) -> list[float]:
         """Milliseconds the compute stream stalled on each layer's transfer at its last wait.
 

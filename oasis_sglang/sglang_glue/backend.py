@@ -100,6 +100,30 @@ class OasisAttnBackend(WrappedBackend):
         self.log_interval = max(1, int(log_interval))
         self.last_sparse_layer = engine.sparse_layers[-1] if engine.sparse_layers else -1
 
+    def init_forward_metadata(self, forward_batch):
+        """Eager forward: the engine leaves CUDA-graph mode; then the wrapped backend's metadata."""
+        self.engine.graph_mode = False
+        return self.inner.init_forward_metadata(forward_batch)
+
+    def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
+        """SGLang's decode CUDA-graph runner, outside the graph (``base_attn_backend.py``): before a
+        capture (and its warm-up runs) the engine enters graph mode; before a replay it logs
+        (periodic line, about the steps already queued) and does the step's host bookkeeping
+        (``OasisSparseKV.graph_step``). The wrapped backend prepares its own metadata first."""
+        r = self.inner.init_forward_metadata_out_graph(forward_batch, in_capture=in_capture)
+        if not forward_batch.forward_mode.is_decode():
+            return r
+        if in_capture:
+            self.engine.graph_mode = True
+            return r
+        B = forward_batch.batch_size - (getattr(forward_batch, "num_padding", 0) or 0)
+        rows = self.engine.batch_rows_host
+        if rows is None or len(rows) != B:   # can_run_graph_hook refuses such a batch first
+            raise RuntimeError(f"OasisKV: replaying a decode CUDA graph without the batch's {B} rows on the host")
+        self._maybe_log()           # about the steps before this one: their device work is queued
+        self.engine.graph_step(rows, forward_batch.seq_lens_cpu[:B].tolist())
+        return r
+
     def _write(self, layer, forward_batch, k, v, save_kv_cache, decode: bool):
         if k is None or v is None:
             raise RuntimeError("OasisKV: layers without their own K/V (KV sharing) are not supported")
@@ -134,13 +158,13 @@ class OasisAttnBackend(WrappedBackend):
             return self.inner.forward_decode(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
         self._write(layer, forward_batch, k, v, save_kv_cache, decode=True)
         H = layer.tp_k_head_num
-        rows_h, seq_h = _host_rows(forward_batch)
+        rows_h, seq_h = self._host_rows(layer, forward_batch)
         o = self.engine.decode_attention(
             layer.layer_id, q.view(-1, layer.tp_q_head_num, layer.qk_head_dim), k.view(-1, H, layer.qk_head_dim),
             v.view(-1, H, layer.v_head_dim), forward_batch.req_pool_indices, forward_batch.seq_lens,
             self.req_to_token_pool.req_to_token, layer.scaling, _max_seq_len(forward_batch),
             rows_host=rows_h, seq_lens_host=seq_h)
-        if layer.layer_id == self.last_sparse_layer:
+        if layer.layer_id == self.last_sparse_layer and not self.engine.graph_mode:
             self._maybe_log()
         return o.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
 
@@ -164,7 +188,7 @@ class OasisAttnBackend(WrappedBackend):
             self.engine.write_kv(layer.layer_id, forward_batch.out_cache_loc.view(-1, 2)[:, 0], k2[:, 0], v2[:, 0],
                                  decode=True)
         mx = _max_seq_len(forward_batch)
-        rows_h, seq_h = _host_rows(forward_batch, extra=1)
+        rows_h, seq_h = self._host_rows(layer, forward_batch, extra=1)
         o = self.engine.decode_attention(
             layer.layer_id, q2[:, 0], k2[:, 0], v2[:, 0], forward_batch.req_pool_indices, forward_batch.seq_lens + 1,
             self.req_to_token_pool.req_to_token, layer.scaling, None if mx is None else mx + 1,
@@ -173,10 +197,20 @@ class OasisAttnBackend(WrappedBackend):
             self._maybe_log()
         return o.reshape(-1, Hq * Dv)
 
+    def _host_rows(self, layer, forward_batch, extra: int = 0):
+        """Host rows and lengths for the engine's per-step check, at the first sparse layer only
+        (``(None, None)`` elsewhere: the engine reads them there only)."""
+        if layer.layer_id != self.engine.sparse_layers[0]:
+            return None, None
+        return _host_rows(forward_batch, self.engine.batch_rows_host, extra)
+
     def _maybe_log(self):
         """Log on the first decode step of a request and every ``log_interval`` decode steps."""
         s = self.engine.stats
+        if s.decode_steps == getattr(self, "_logged_step", -1):
+            return                  # (a replay logs about the step before it, which may have logged)
         if s.new_request_started or s.decode_steps % self.log_interval == 0:
+            self._logged_step = s.decode_steps
             r = self.engine.residency()
             from . import spec_probe
 
@@ -281,27 +315,52 @@ def draft_backend_hook(result, self, *args, **kwargs):
 _warned_host = False
 
 
-def _host_rows(forward_batch, extra: int = 0):
-    """``(request rows, seq_lens + extra)`` as host integer lists when both are on the host,
-    else ``(None, None)``: the CPU engine's rows and SGLang's ``seq_lens_cpu``.
+def _host_rows(forward_batch, stashed=None, extra: int = 0):
+    """``(request rows, seq_lens + extra)`` as host integer lists, else ``(None, None)``.
 
-    Known gap: on CUDA the batch rows are a device tensor, and SGLang 0.5.17's ForwardBatch
-    carries no host copy (an ``init_new`` hook recording ``ScheduleBatch.req_pool_indices_cpu``
-    missed the speculative verify batch, which reaches the backend as another object), so the
-    engine's check reads the device once per step there (``prediction check: device``)."""
+    The rows come from the scheduler (``run_batch_hook`` stashes ``req.req_pool_idx`` of the
+    batch being run, in batch order), the lengths from SGLang's ``seq_lens_cpu``. Without them
+    the engine's per-step check reads the device."""
     global _warned_host
-    dev_rows = forward_batch.req_pool_indices
-    rows = dev_rows if dev_rows.device.type == "cpu" else None     # CPU engine: already on the host
-    seq = getattr(forward_batch, "seq_lens_cpu", None)
     B = forward_batch.req_pool_indices.shape[0]
-    if rows is None or seq is None or len(rows) != B or len(seq) != B:
+    rows = stashed if stashed is not None and len(stashed) == B else None
+    seq = getattr(forward_batch, "seq_lens_cpu", None)
+    if rows is None or seq is None or len(seq) != B:
         if not _warned_host:
             logger.info("OasisKV: a %s batch carries no host copy of its rows (%s) or lengths (%s) for %d requests; "
                         "the per-step prediction check reads the device", forward_batch.forward_mode,
                         None if rows is None else len(rows), None if seq is None else len(seq), B)
             _warned_host = True
         return None, None
-    return rows.tolist(), (seq + extra).tolist()
+    return list(rows), (seq + extra).tolist()
+
+
+def run_batch_hook(self, batch, *args, **kwargs):
+    """BEFORE ``Scheduler.run_batch``: stash the batch's request rows (host integers, batch
+    order) on the OasisKV engine, so the per-step prediction check and the CUDA-graph replay
+    decision need no device read (SGLang 0.5.17's ForwardBatch keeps its rows on the device)."""
+    eng = getattr(getattr(self, "req_to_token_pool", None), "_oasis", None)
+    if eng is not None:
+        reqs = getattr(batch, "reqs", None)
+        eng.batch_rows_host = None if reqs is None else [r.req_pool_idx for r in reqs]
+    return None
+
+
+def can_run_graph_hook(result, self, forward_batch, *args, **kwargs):
+    """AFTER ``DecodeCudaGraphRunner.can_run_graph``: replay a decode step only when the OasisKV
+    engine says every row was predicted for this context (``OasisSparseKV.can_replay``, host
+    values only); otherwise SGLang runs it eagerly and the engine selects synchronously."""
+    if not result:
+        return result
+    mr = getattr(self, "model_runner", None)
+    eng = getattr(getattr(mr, "req_to_token_pool", None), "_oasis", None)
+    if eng is None or getattr(mr, "is_draft_worker", False) or not forward_batch.forward_mode.is_decode():
+        return result
+    rows, seq = eng.batch_rows_host, getattr(forward_batch, "seq_lens_cpu", None)
+    B = forward_batch.batch_size
+    if rows is None or seq is None or len(rows) != B or len(seq) != B:
+        return False
+    return eng.can_replay(rows, seq.tolist())
 
 
 def _max_seq_len(forward_batch) -> int | None:
@@ -323,6 +382,7 @@ def format_residency(r: dict) -> str:
             f"summaries: {r['summary_bytes'] / 2**20:.1f} MiB, host tier: {r['host_tier_bytes'] / 2**20:.1f} MiB, "
             f"predictor: {r['predictor']}, fallback synchronous steps: {r['sync_steps']}, "
             f"prediction check: {r.get('prediction_check', 'device')}, "
+            f"cuda graph steps: {r.get('graph_steps', 0)}, "
             f"exposed wait: {sum(r['exposed_wait_ms']):.3f} ms (last step, all sparse layers)"
             + ("" if r["agreement"] is None else
                f", agreement: {_mean(r['agreement']):.4f} (min layer {_min(r['agreement']):.4f})")
@@ -377,6 +437,7 @@ def init_attention_backends_hook(result, model_runner, *args, **kwargs):
     engine = OasisSparseKV(cfg, **dims, dtype=pool.dtype, device=model_runner.device, ops=ops, predictor=predictor)
     pool.oasis = engine
     rtp._oasis = engine
+    engine.padding_row = 0        # ReqToTokenPool never hands out row 0; decode CUDA graphs pad with it
     interval = getattr(sa, "decode_log_interval", 40) or 40
     from .metrics import make_metrics
 

@@ -31,8 +31,8 @@ def handle_kv_sparse_args(args) -> OasisConfig:
     """Validate the OasisKV flags against the rest of ``args`` and set dependent defaults.
 
     Sets ``page_size`` to ``block_size`` and the attention backend to ``torch_native`` on CPU
-    when they are unset, disables CUDA graphs (the reference path synchronises with the
-    host) and overlap scheduling, makes admission reserve prompt + max_new_tokens in the
+    when they are unset, captures only decode steps in CUDA graphs (none on CPU or with a
+    draft; ``_cuda_graph_args``), disables overlap scheduling, makes admission reserve prompt + max_new_tokens in the
     token pool (= host tier), bounds ``--max-running-requests`` (default 64), and stores the
     normalised config JSON back in ``args.kv_sparse_config``.
 
@@ -151,12 +151,44 @@ def handle_kv_sparse_args(args) -> OasisConfig:
         # overlap scheduling frees a finished request while the next batch may still run it
         logger.info("OasisKV: disabling the overlap scheduler (working sets are freed with requests)")
         args.disable_overlap_schedule = True
-    if not args.disable_cuda_graph:
-        logger.info("OasisKV: disabling CUDA graphs (the selection step still syncs with the host)")
-        args.disable_cuda_graph = True
+    _cuda_graph_args(args, cpu)
     args.kv_sparse_config = cfg.to_json()
     logger.info("OasisKV enabled: %s", args.kv_sparse_config)
     return cfg
+
+
+def _cuda_graph_args(args, cpu: bool) -> None:
+    """CUDA graphs with OasisKV: the decode step is captured (SGLang's decode graph runner; the
+    engine's ``graph_mode``), prefill never is (it walks requests on the host). With a draft
+    (the paired TARGET_VERIFY forward) and on CPU everything runs eagerly."""
+    if args.disable_cuda_graph:
+        return
+    why = ("the CPU engine" if cpu else
+           "the paired forward with a draft (TARGET_VERIFY) is not captured yet" if args.speculative_algorithm else None)
+    if why:
+        logger.info("OasisKV: disabling CUDA graphs (%s)", why)
+        args.disable_cuda_graph = True
+        return
+    cgc = getattr(args, "cuda_graph_config", None)
+    if cgc:
+        import json
+
+        try:
+            pre = (json.loads(cgc) if isinstance(cgc, str) else dict(cgc)).get("prefill", {})
+        except (TypeError, ValueError, AttributeError):
+            pre = {}
+        if isinstance(pre, dict) and pre.get("backend", "disabled") != "disabled":
+            raise OasisConfigError(f"--kv-sparse oasis: --cuda-graph-config prefill backend {pre.get('backend')!r}: "
+                                   f"OasisKV prefill cannot be captured; use 'disabled'")
+    if getattr(args, "cuda_graph_backend_prefill", None) not in (None, "disabled"):
+        raise OasisConfigError(f"--kv-sparse oasis: --cuda-graph-backend-prefill {args.cuda_graph_backend_prefill!r}: "
+                               f"OasisKV prefill cannot be captured; use 'disabled'")
+    if getattr(args, "cuda_graph_backend_decode", None) not in (None, "full", "disabled"):
+        raise OasisConfigError(f"--kv-sparse oasis: --cuda-graph-backend-decode {args.cuda_graph_backend_decode!r}: "
+                               f"OasisKV captures the decode step whole; use 'full' or 'disabled'")
+    if not getattr(args, "disable_prefill_cuda_graph", True):
+        logger.info("OasisKV: disabling the prefill CUDA graph (decode steps are captured)")
+        args.disable_prefill_cuda_graph = True
 
 
 def _default(args, name: str):
