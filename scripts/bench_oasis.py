@@ -1,34 +1,36 @@
 """OasisKV vs dense SGLang, side by side on one GPU host, through SGLang's own ``bench_serving``.
 
-    python scripts/bench_oasis.py --suite paired [--input-len 16384] [--output-len 128] [--batch 8]
-                                  [--out out/bench_oasis]
+    python scripts/bench_oasis.py [--suite all] [--resume] [--out out/bench_oasis]
+    python scripts/bench_oasis.py --suite all --list          # the planned runs
+    bash scripts/gpu_smoke.sh 4 --suite all --resume          # on the lent H200, call after call
 
-Each system is a real ``sglang serve`` on the Qwen3-8B-shaped dummy model (``$M``, random weights,
+Each run is a real ``sglang serve`` on the Qwen3-8B-shaped dummy model (``$M``, random weights,
 ``--load-format dummy``; its EAGLE-3 dummy draft is ``$D``; both from ../shared/gpu-host), started
-one after the other on the same GPU. For each, ``python -m sglang.bench_serving`` sends
-``--batch`` random-id prompts of ``--input-len`` tokens at concurrency ``--batch`` (all running at
-once) and ``--output-len`` output tokens each, greedy, ``ignore_eos``. Reported per system:
+one after the other on the same GPU. ``python -m sglang.bench_serving`` sends the run's prompts
+(random ids, ``--output-len`` tokens each, greedy, ``ignore_eos``) all at once. Reported per run:
 
 * decode tok/s: the median of the server's ``Decode batch ... gen throughput`` log lines at the
-  most requests that ran at once (SGLang's own figure; long prefills can keep that below
-  ``--batch``), and that count;
-* step ms: ``running / decode tok/s`` (one decode step; with a draft, one paired forward + draft);
-* output tok/s, median TPOT and ITL: from ``bench_serving``;
-* for oasis: the last ``OasisKV decode`` line (hit rate, H2D, exposed wait, draft match).
+  most requests that ran at once (SGLang's own figure; the first such line, which spans the last
+  prefill, is left out), and that count ("most running": the concurrency measurement);
+* step ms: ``running / decode tok/s``;
+* output tok/s, median TPOT and TTFT: from ``bench_serving`` (they include the prefill);
+* for oasis, from its ``OasisKV decode`` lines: H2D MB per decode step and GB/s at that step
+  time, hit rate, decode steps replayed from CUDA graphs.
 
-Suites:
-  paired   the paired forward in SGLang's own step: ``oasis`` vs ``oasis-eagle3`` (and
-           ``dense``, ``dense-eagle3`` for reference); issue 4's <= 1.15x target is
-           step(oasis-eagle3) / step(oasis).
+Suites (``all`` runs the five issue-5 measurements; ``plan()`` says exactly what each runs):
+  throughput   dense with the KV pool of an 80 GB GPU (``--mem-fraction-static 0.475``: 22
+               requests of 16K) vs oasis with a host tier of ``--host-gib`` GiB, at 16K and 32K
+  concurrency  the most requests each of those keeps running at once
+  fetch-cap    oasis at 16K for each of ``--fetch-caps`` (paper Table 2)
+  context      4K, 8K, 16K, 32K, dense vs oasis (plot: ``context_sweep.png``)
+  short        1K input, same pool for both: oasis / dense >= 0.97 is the target
+  paired       issue 4's paired forward: oasis vs oasis-eagle3 (and dense, dense-eagle3)
 
-  throughput  issue 5 (1): ``dense`` with the KV pool of an 80 GB GPU (``--mem-fraction-static
-           0.475``: 22 requests of 16K) vs ``oasis`` with a host tier of ``--batch`` requests
-           (decode steps in CUDA graphs); e.g. ``--batch 32 --input-len 16384 --output-len 256
-           --predictor previous``.
-
+A full ``all`` takes longer than one 600 s device call: results go to ``<out>/bench_oasis.json``
+after every run and ``--resume`` skips the runs already there, so repeated calls complete it.
 Random weights give no real draft acceptance and no real attention pattern: these runs measure
 speed only; the predicted top-K is used as if it were real (the pipeline does the same work).
-Writes ``<out>/bench_oasis.md`` (table), ``.json`` (raw) and each server's log.
+Writes ``<out>/bench_oasis.md`` (tables), ``.json`` (raw), PNG plots and each server's log.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from tqdm import tqdm
@@ -55,39 +58,106 @@ SERVING = {"output_tok_s": r"Output token throughput \(tok/s\):\s+([\d.]+)",
            "completed": r"Successful requests:\s+(\d+)"}
 EAGLE = ["--speculative-algorithm", "EAGLE3", "--speculative-num-steps", "1", "--speculative-eagle-topk", "1",
          "--speculative-num-draft-tokens", "2"]
-SUITES = {"paired": ["oasis", "oasis-eagle3", "dense", "dense-eagle3"],
-          "throughput": ["dense", "oasis"]}
-# throughput suite: the KV pool an 80 GB GPU holds for Qwen3-8B (issue 5; 367,922 tokens on the H200)
+# the KV pool an 80 GB GPU holds for Qwen3-8B (issue 5; 367,922 tokens on the H200)
 DENSE_80GB_MEM_FRACTION = 0.475
+QWEN3_8B_KV_BYTES_PER_TOKEN = 36 * 8 * 128 * 2 * 2        # layers x KV heads x head_dim x (K, V) x bf16
 
 
-def system_args(name: str, a) -> list[str]:
-    """Server flags of system ``name`` (``dense``, ``dense-eagle3``, ``oasis``, ``oasis-eagle3``).
+@dataclass(frozen=True)
+class Run:
+    """One server start and one ``bench_serving`` run.
 
-    ``paired``: every system gets a KV pool (host tier for oasis) of exactly ``--batch`` requests.
-    ``throughput``: dense gets the 80 GB-equivalent pool (``--mem-fraction-static 0.475``) and runs
-    as many requests as fit there; oasis gets a host tier of ``--batch`` requests (its device
-    memory holds only the working sets), so ``--batch`` is what the host tier allows.
+    ``batch``: prompts sent at once (= concurrency = ``--max-running-requests``). ``pool``:
+    ``"exact"`` sizes the KV pool (oasis: the host tier) to ``batch`` requests; ``"80gb"`` gives
+    dense the pool of an 80 GB GPU (``--mem-fraction-static 0.475``). ``host_requests``: oasis
+    host tier in requests of this length (default ``batch``).
     """
-    ctx = a.input_len + a.output_len + 64
+
+    key: str
+    system: str
+    input_len: int
+    output_len: int
+    batch: int
+    pool: str = "exact"
+    fetch_cap: int | None = None
+    host_requests: int | None = None
+
+
+def host_requests_for(ctx: int, host_gib: float) -> int:
+    """Requests of ``ctx`` tokens whose Qwen3-8B KV fits in ``host_gib`` GiB of host tier."""
+    return max(1, int(host_gib * 2**30 // (ctx * QWEN3_8B_KV_BYTES_PER_TOKEN)))
+
+
+def plan(suite: str, a) -> list[Run]:
+    """The runs of ``suite`` (``all`` = the five issue-5 measurements, in this order).
+
+    throughput   dense (80 GB pool) vs oasis (host tier of ``--host-gib``) at 16K and 32K input
+    concurrency  the same runs' "most running": what each system keeps running at once at 16K
+    fetch-cap    oasis at 16K for each of ``--fetch-caps`` (paper Table 2): tok/s and H2D GB/s
+    context      dense vs oasis at 4K, 8K, 16K, 32K (80 GB pool / host tier), plotted
+    short        1K input: oasis / dense >= 0.97 expected (same pool for both)
+    paired       the paired forward (issue 4): oasis vs oasis-eagle3 (and dense, dense-eagle3)
+    """
+    out, o = [], a.output_len
+    sysargs = lambda: a.systems or ["dense", "oasis"]  # noqa: E731
+
+    def long_runs(ctxs, tag):
+        for n in ctxs:
+            hr = host_requests_for(n + o + 64, a.host_gib)
+            for sy in sysargs():
+                b = hr if sy.startswith("oasis") else max(hr, a.dense_batch)
+                out.append(Run(f"{tag}/{n}/{sy}", sy, n, o, b, "80gb" if sy.startswith("dense") else "exact",
+                               a.fetch_cap, hr))
+
+    if suite in ("throughput", "concurrency", "all"):
+        long_runs(a.input_lens or [16384, 32768], "throughput")
+    if suite in ("fetch-cap", "all"):
+        n = 16384
+        hr = host_requests_for(n + o + 64, a.host_gib)
+        for c in a.fetch_caps:
+            out.append(Run(f"fetch-cap/{c}", "oasis", n, o, hr, "exact", c, hr))
+    if suite in ("context", "all"):
+        long_runs(a.input_lens or [4096, 8192, 16384, 32768], "context")
+    if suite in ("short", "all"):
+        for sy in sysargs():
+            out.append(Run(f"short/1024/{sy}", sy, 1024, o, a.batch, "exact", a.fetch_cap))
+    if suite == "paired":
+        for sy in a.systems or ["oasis", "oasis-eagle3", "dense", "dense-eagle3"]:
+            out.append(Run(f"paired/{a.input_len}/{sy}", sy, a.input_len, o, a.batch, "exact", a.fetch_cap))
+    if suite == "all":       # the context sweep repeats the throughput runs at 16K and 32K: measure once
+        seen, uniq = {}, []
+        for r in out:
+            k = (r.system, r.input_len, r.output_len, r.batch, r.pool, r.fetch_cap)
+            if k not in seen:
+                seen[k] = r
+                uniq.append(r)
+        out = uniq
+    return out
+
+
+def system_args(run: Run, a) -> list[str]:
+    """Server flags of ``run`` (system ``dense``, ``dense-eagle3``, ``oasis`` or ``oasis-eagle3``)."""
+    name = run.system
+    ctx = run.input_len + run.output_len + 64
+    # oasis refuses a budget above the context length: short runs get room for it (both systems)
     args = ["--load-format", "dummy", "--attention-backend", "triton", "--sampling-backend", "pytorch",
-            "--max-running-requests", str(a.batch), "--context-length", str(ctx),
+            "--max-running-requests", str(run.batch), "--context-length", str(max(ctx, a.budget + 64)),
             "--log-level", "info", "--decode-log-interval", "10"]
-    if a.suite == "throughput" and name == "dense":
+    if run.pool == "80gb":
         args += ["--mem-fraction-static", str(DENSE_80GB_MEM_FRACTION)]
     else:
-        args += ["--max-total-tokens", str(a.batch * ctx)]
+        args += ["--max-total-tokens", str((run.host_requests or run.batch) * ctx)]
     if name.startswith("dense"):
-        args += ["--disable-prefill-cuda-graph", "--cuda-graph-max-bs", str(max(8, a.batch))]
+        args += ["--disable-prefill-cuda-graph", "--cuda-graph-max-bs", str(max(8, run.batch))]
     else:
         cfg = {"budget_tokens": a.budget, "kernels": "triton"}
-        if a.fetch_cap is not None:
-            cfg["fetch_cap"] = a.fetch_cap
+        if run.fetch_cap is not None:
+            cfg["fetch_cap"] = run.fetch_cap
         if a.predictor:
             cfg["predictor"] = a.predictor
         args += oasis_args(**cfg)
         if not name.endswith("eagle3"):
-            args += ["--cuda-graph-max-bs", str(max(8, a.batch))]
+            args += ["--cuda-graph-max-bs", str(max(8, run.batch))]
         if a.eager:
             args += ["--disable-cuda-graph"]
     if name.endswith("eagle3"):
@@ -95,19 +165,20 @@ def system_args(name: str, a) -> list[str]:
     return args
 
 
-def bench_serving(url: str, a, tag: str, out: Path) -> dict:
-    """``sglang.bench_serving`` with all ``--batch`` prompts at once; the figures it prints."""
+def bench_serving(url: str, run: Run, out: Path, timeout: int) -> dict:
+    """``sglang.bench_serving``: ``run.batch`` random-id prompts sent at once; the figures it prints."""
+    tag = run.key.replace("/", "_")
     cmd = [sys.executable, "-m", "sglang.bench_serving", "--backend", "sglang", "--base-url", url,
-           "--dataset-name", "random-ids", "--random-input-len", str(a.input_len), "--random-output-len",
-           str(a.output_len), "--random-range-ratio", "1", "--num-prompts", str(a.batch), "--max-concurrency",
-           str(a.batch), "--tokenize-prompt", "--tokenizer", os.environ["M"], "--model", os.environ["M"],
+           "--dataset-name", "random-ids", "--random-input-len", str(run.input_len), "--random-output-len",
+           str(run.output_len), "--random-range-ratio", "1", "--num-prompts", str(run.batch), "--max-concurrency",
+           str(run.batch), "--tokenize-prompt", "--tokenizer", os.environ["M"], "--model", os.environ["M"],
            "--disable-tqdm", "--seed", "1", "--output-file", str(out / f"serving_{tag}.jsonl")]
     if os.environ.get("DS"):
         cmd += ["--dataset-path", os.environ["DS"]]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     (out / f"bench_serving_{tag}.txt").write_text(" ".join(cmd) + "\n" + r.stdout + "\n" + r.stderr[-4000:])
     if r.returncode:
-        raise RuntimeError(f"bench_serving for {tag} exited {r.returncode}: {r.stderr[-2000:]}")
+        raise RuntimeError(f"bench_serving for {run.key} exited {r.returncode}: {r.stderr[-2000:]}")
     res = {}
     for k, pat in SERVING.items():
         m = re.search(pat, r.stdout)
@@ -115,90 +186,202 @@ def bench_serving(url: str, a, tag: str, out: Path) -> dict:
     return res
 
 
-def run_system(name: str, a, out: Path) -> dict:
-    """Start system ``name``, benchmark it, stop it; its figures (``error`` when it failed)."""
-    log_path = out / f"server_{name}.log"
+OASIS_NUM = {"h2d_mib": r"H2D: ([\d.]+) MiB", "decode_steps": r"decode steps: (\d+)", "hit_rate": r"hit rate: ([\d.]+)",
+             "graph_steps": r"cuda graph steps: (\d+)", "host_tier_mib": r"host tier: ([\d.]+) MiB"}
+
+
+def oasis_figures(lines: list[str], step_ms: float | None) -> dict:
+    """H2D traffic per decode step (and GB/s at ``step_ms``) between the first and last
+    ``OasisKV decode`` lines, with the last line's hit rate, graph steps and host-tier size."""
+    vals = []
+    for ln in lines:
+        v = {}
+        for k, pat in OASIS_NUM.items():
+            m = re.search(pat, ln)
+            v[k] = float(m.group(1)) if m else None
+        vals.append(v)
+    if not vals:
+        return {}
+    last = vals[-1]
+    res = {"hit_rate": last["hit_rate"], "graph_steps": last["graph_steps"], "host_tier_gb": (last["host_tier_mib"] or 0) * 2**20 / 1e9}
+    first = vals[0]
+    if first["decode_steps"] is not None and last["decode_steps"] and last["decode_steps"] > first["decode_steps"]:
+        mb = (last["h2d_mib"] - first["h2d_mib"]) * 2**20 / 1e6 / (last["decode_steps"] - first["decode_steps"])
+        res["h2d_mb_per_step"] = mb
+        res["h2d_gb_s"] = mb / step_ms if step_ms else None
+    return res
+
+
+def run_one(run: Run, a, out: Path) -> dict:
+    """Start the server of ``run``, benchmark it, stop it; its figures (``error`` when it failed)."""
+    log_path = out / f"server_{run.key.replace('/', '_')}.log"
+    base = {"key": run.key, "system": run.system, "input_len": run.input_len, "output_len": run.output_len,
+            "batch": run.batch, "pool": run.pool, "fetch_cap": run.fetch_cap, "host_requests": run.host_requests,
+            "date": time.strftime("%Y-%m-%d %H:%M")}
     t0 = time.time()
     try:
-        srv = launch(os.environ["M"], 0, system_args(name, a), log_path, timeout=a.timeout, echo=False)
-    except Exception as e:  # noqa: BLE001 - report and go on with the next system
-        return {"system": name, "error": f"start failed: {e.__class__.__name__}: {str(e)[:300]}"}
+        srv = launch(os.environ["M"], 0, system_args(run, a), log_path, timeout=a.timeout, echo=False)
+    except Exception as e:  # noqa: BLE001 - report and go on with the next run
+        return {**base, "error": f"start failed: {e.__class__.__name__}: {str(e)[:300]}"}
     try:
-        res = {"system": name, "start_s": round(time.time() - t0, 1)}
-        res.update(bench_serving(srv.url, a, name, out))
-        log = srv.log()
-        lines = [(int(n), float(g)) for n, g in DECODE.findall(log)]
+        res = {**base, "start_s": round(time.time() - t0, 1)}
+        res.update(bench_serving(srv.url, run, out, a.timeout))
+        lines = [(int(n), float(g)) for n, g in DECODE.findall(srv.log())]
         top = max((n for n, _ in lines), default=0)       # prefills stagger arrivals: not always --batch
-        full = [g for n, g in lines if n == top]
+        full = [g for n, g in lines if n == top][1:] or [g for n, g in lines if n == top]   # first: since the prefill
         res["max_running"] = top
         res["decode_lines_at_max_running"] = len(full)
         res["decode_tok_s"] = statistics.median(full) if full else None
         res["step_ms"] = 1e3 * top / res["decode_tok_s"] if res["decode_tok_s"] else None
-        lines = srv.residency_lines()
-        res["oasis_line"] = lines[-1].split("OasisKV decode: ", 1)[-1] if lines else None
+        ol = srv.residency_lines()
+        res["oasis_line"] = ol[-1].split("OasisKV decode: ", 1)[-1] if ol else None
+        res.update(oasis_figures(ol, res["step_ms"]))
         return res
     except Exception as e:  # noqa: BLE001
-        return {"system": name, "error": f"{e.__class__.__name__}: {str(e)[:500]}"}
+        return {**base, "error": f"{e.__class__.__name__}: {str(e)[:500]}"}
     finally:
         srv.stop()
 
 
-def table(results: list[dict], a) -> str:
-    """Markdown table; ``x step`` is each system's step time over the first one with the same base."""
-    base = {r["system"]: r.get("step_ms") for r in results}
-    lines = [f"Qwen3-8B-shaped dummy (random weights), suite {a.suite}: {a.batch} requests of {a.input_len} input "
-             f"tokens sent together, {a.output_len} output tokens each; oasis budget {a.budget}, fetch_cap "
-             f"{a.fetch_cap or 'default (8)'}, predictor {a.predictor or 'default'}, "
-             f"{'eager' if a.eager else 'decode CUDA graphs'}"
-             + (f"; dense KV pool --mem-fraction-static {DENSE_80GB_MEM_FRACTION}" if a.suite == "throughput" else "")
-             + ".", "",
-             "| system | most running | decode tok/s there | step ms | step vs same system without draft | output tok/s | "
-             "median TPOT ms | median ITL ms |", "|---|---|---|---|---|---|---|---|"]
-    f = lambda x, p=1: "-" if x is None else f"{x:.{p}f}"  # noqa: E731
-    for r in results:
-        if "error" in r:
-            lines.append(f"| {r['system']} | failed: {r['error'][:120]} | | | | | | |")
+def _f(x, p=1):
+    return "-" if x is None else f"{x:.{p}f}"
+
+
+def tables(results: list[dict], a) -> str:
+    """Markdown: one table per suite present in ``results``, with the issue-5 ratios."""
+    by = {r["key"]: r for r in results}
+    md = [f"Qwen3-8B-shaped dummy (random weights: speed only), H200; oasis budget {a.budget}, predictor "
+          f"{a.predictor or 'default'}, {'eager' if a.eager else 'decode CUDA graphs'}; dense KV pool "
+          f"--mem-fraction-static {DENSE_80GB_MEM_FRACTION} (80 GB GPU) where marked 80gb; oasis host tier "
+          f"{a.host_gib} GiB unless sized to the batch.", ""]
+    head = ("| run | most running | decode tok/s | step ms | output tok/s | TPOT ms | TTFT s | H2D MB/step | H2D GB/s | "
+            "hit rate | vs dense |")
+    sep = "|---|---|---|---|---|---|---|---|---|---|---|"
+    for suite in ("throughput", "context", "fetch-cap", "short", "paired"):
+        rows = [r for r in results if r["key"].startswith(suite + "/")]
+        if not rows:
             continue
-        ref = base.get(r["system"].replace("-eagle3", "")) if r["system"].endswith("eagle3") else None
-        ratio = r["step_ms"] / ref if ref and r.get("step_ms") else None
-        lines.append(f"| {r['system']} | {r.get('max_running', '-')} | {f(r['decode_tok_s'])} | {f(r['step_ms'], 2)} | "
-                     f"{'-' if ratio is None else f'{ratio:.2f}x'} | {f(r['output_tok_s'])} | "
-                     f"{f(r['median_tpot_ms'], 2)} | {f(r['median_itl_ms'], 2)} |")
-    for r in results:
-        if r.get("oasis_line"):
-            lines.append(f"\n{r['system']}: last OasisKV decode line: `{r['oasis_line'][:900]}`")
-    return "\n".join(lines)
+        md += [f"### {suite}", "", head, sep]
+        for r in rows:
+            if "error" in r:
+                md.append(f"| {r['key']} | failed: {r['error'][:150]} |" + " |" * 9)
+                continue
+            dense = by.get(r["key"].rsplit("/", 1)[0] + "/dense") if r["system"] == "oasis" else None
+            ratio = (r["decode_tok_s"] / dense["decode_tok_s"]
+                     if dense and dense.get("decode_tok_s") and r.get("decode_tok_s") else None)
+            md.append(f"| {r['key']} | {r.get('max_running', '-')} | {_f(r.get('decode_tok_s'))} | "
+                      f"{_f(r.get('step_ms'), 2)} | {_f(r.get('output_tok_s'))} | {_f(r.get('median_tpot_ms'), 2)} | "
+                      f"{_f((r.get('median_ttft_ms') or 0) / 1e3 if r.get('median_ttft_ms') else None)} | "
+                      f"{_f(r.get('h2d_mb_per_step'))} | {_f(r.get('h2d_gb_s'), 2)} | {_f(r.get('hit_rate'), 3)} | "
+                      f"{'-' if ratio is None else f'{ratio:.2f}x'} |")
+        md.append("")
+    return "\n".join(md)
+
+
+def plots(results: list[dict], out: Path) -> list[Path]:
+    """PNG plots: decode tok/s vs context (dense vs oasis) and vs fetch_cap (with H2D GB/s)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plots (re-run with --plot-only on a machine that has it)", file=sys.stderr)
+        return []
+    made = []
+    ctx = [r for r in results if r["key"].split("/")[0] in ("context", "throughput") and r.get("decode_tok_s")]
+    if ctx:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for sy in sorted({r["system"] for r in ctx}):
+            pts = sorted({r["input_len"]: r["decode_tok_s"] for r in ctx if r["system"] == sy}.items())
+            ax.plot([p[0] / 1024 for p in pts], [p[1] for p in pts], marker="o", label=sy)
+        ax.set_xlabel("input length (K tokens)")
+        ax.set_ylabel("decode tok/s (all running)")
+        ax.set_title("Decode throughput vs context (80 GB-equivalent KV pool)")
+        ax.legend()
+        fig.tight_layout()
+        made.append(out / "context_sweep.png")
+        fig.savefig(made[-1], dpi=120)
+        plt.close(fig)
+    fc = sorted((r for r in results if r["key"].startswith("fetch-cap/") and r.get("decode_tok_s")),
+                key=lambda r: r["fetch_cap"] or 0)
+    if fc:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ax.plot([r["fetch_cap"] for r in fc], [r["decode_tok_s"] for r in fc], marker="o", label="decode tok/s")
+        ax.set_xlabel("fetch_cap (blocks per step, request, layer, KV head)")
+        ax.set_ylabel("decode tok/s")
+        ax2 = ax.twinx()
+        ax2.plot([r["fetch_cap"] for r in fc], [r.get("h2d_gb_s") or 0 for r in fc], marker="s", color="C1",
+                 label="H2D GB/s")
+        ax2.set_ylabel("H2D GB/s")
+        ax.set_title("Fetch-cap ablation, 16K context")
+        fig.legend(loc="lower right")
+        fig.tight_layout()
+        made.append(out / "fetch_cap.png")
+        fig.savefig(made[-1], dpi=120)
+        plt.close(fig)
+    return made
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--suite", choices=sorted(SUITES), default="paired")
+    ap.add_argument("--suite", choices=["all", "throughput", "concurrency", "fetch-cap", "context", "short", "paired"],
+                    default="all")
     ap.add_argument("--systems", nargs="+", default=None, help="override the suite's systems")
-    ap.add_argument("--input-len", type=int, default=16384)
-    ap.add_argument("--output-len", type=int, default=128)
-    ap.add_argument("--batch", type=int, default=8, help="requests running together (= prompts = concurrency)")
+    ap.add_argument("--only", nargs="+", default=None, help="run only these run keys (see --list)")
+    ap.add_argument("--list", action="store_true", help="print the planned runs and exit")
+    ap.add_argument("--resume", action="store_true", help="skip runs already in <out>/bench_oasis.json (split a "
+                    "long suite over several calls)")
+    ap.add_argument("--plot-only", action="store_true", help="rewrite the tables and plots from <out>/bench_oasis.json")
+    ap.add_argument("--input-len", type=int, default=16384, help="paired suite: input length")
+    ap.add_argument("--input-lens", type=int, nargs="+", default=None, help="throughput / context: input lengths")
+    ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=8, help="paired / short: requests sent together")
+    ap.add_argument("--dense-batch", type=int, default=32,
+                    help="throughput / context: prompts sent to dense at least (its pool limits what runs)")
+    ap.add_argument("--host-gib", type=float, default=72.0,
+                    help="oasis host tier, GiB of Qwen3-8B KV (pinned host memory; the H200 host has 128 GiB "
+                         "and served a 70.5 GB tier)")
     ap.add_argument("--budget", type=int, default=2048, help="oasis budget_tokens")
     ap.add_argument("--fetch-cap", type=int, default=None, help="oasis fetch_cap (default: the config's)")
-    ap.add_argument("--predictor", default=None, choices=["previous", "lookahead", "current"],
-                    help="oasis predictor (default: the config's: lookahead with a draft, else current)")
+    ap.add_argument("--fetch-caps", type=int, nargs="+", default=[1, 2, 4, 8, 16], help="fetch-cap suite values")
+    ap.add_argument("--predictor", default="previous", choices=["previous", "lookahead", "current"],
+                    help="oasis predictor (previous: the asynchronous pipeline without a draft model)")
     ap.add_argument("--eager", action="store_true", help="oasis without CUDA graphs")
     ap.add_argument("--timeout", type=int, default=900, help="seconds for a server start / one bench_serving run")
     ap.add_argument("--out", default=os.environ.get("OUT", "out") + "/bench_oasis")
     a = ap.parse_args()
-    for var in ("M",) + (("D",) if any(s.endswith("eagle3") for s in (a.systems or SUITES[a.suite])) else ()):
-        if not os.environ.get(var):
-            ap.error(f"environment variable {var} must name the model folder (source the gpu-host kit's env.sh)")
+    runs = plan(a.suite, a)
+    if a.only:
+        unknown = set(a.only) - {r.key for r in runs}
+        if unknown:
+            ap.error(f"--only: unknown run keys {sorted(unknown)}; planned: {[r.key for r in runs]}")
+        runs = [r for r in runs if r.key in a.only]
+    if a.list:
+        for r in runs:
+            print(r.key, " ".join(system_args(r, a)) if os.environ.get("M") else "")
+        return 0
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    results = []
-    systems = a.systems or SUITES[a.suite]
-    for name in tqdm(systems, desc=f"bench_oasis {a.suite}", file=sys.stderr):
-        r = run_system(name, a, out)
-        print(json.dumps(r), file=sys.stderr, flush=True)
-        results.append(r)
-        md = table(results, a)          # written after every system: a cut-short run keeps what it measured
-        (out / "bench_oasis.md").write_text(md + "\n")
-        (out / "bench_oasis.json").write_text(json.dumps({"args": vars(a), "results": results}, indent=1))
+    jpath = out / "bench_oasis.json"
+    results = json.loads(jpath.read_text())["results"] if (a.resume or a.plot_only) and jpath.exists() else []
+    if not a.plot_only:
+        for var in ("M",) + (("D",) if any(r.system.endswith("eagle3") for r in runs) else ()):
+            if not os.environ.get(var):
+                ap.error(f"environment variable {var} must name the model folder (source the gpu-host kit's env.sh)")
+        done = {r["key"] for r in results if "error" not in r}
+        todo = [r for r in runs if r.key not in done]
+        for run in tqdm(todo, desc=f"bench_oasis {a.suite}", file=sys.stderr):
+            res = run_one(run, a, out)
+            print(json.dumps(res), file=sys.stderr, flush=True)
+            results = [r for r in results if r["key"] != run.key] + [res]
+            # written after every run: a call cut short keeps what it measured (--resume goes on)
+            jpath.write_text(json.dumps({"args": vars(a), "results": results}, indent=1))
+            (out / "bench_oasis.md").write_text(tables(results, a) + "\n")
+    md = tables(results, a)
+    (out / "bench_oasis.md").write_text(md + "\n")
+    for p in plots(results, out):
+        print(f"wrote {p}", file=sys.stderr)
     print(md)
     return 0 if all("error" not in r for r in results) else 1
 

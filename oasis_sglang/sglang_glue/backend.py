@@ -382,7 +382,7 @@ def format_residency(r: dict) -> str:
             f"summaries: {r['summary_bytes'] / 2**20:.1f} MiB, host tier: {r['host_tier_bytes'] / 2**20:.1f} MiB, "
             f"predictor: {r['predictor']}, fallback synchronous steps: {r['sync_steps']}, "
             f"prediction check: {r.get('prediction_check', 'device')}, "
-            f"cuda graph steps: {r.get('graph_steps', 0)}, "
+            f"decode steps: {r.get('decode_steps', 0)}, cuda graph steps: {r.get('graph_steps', 0)}, "
             f"exposed wait: {sum(r['exposed_wait_ms']):.3f} ms (last step, all sparse layers)"
             + ("" if r["agreement"] is None else
                f", agreement: {_mean(r['agreement']):.4f} (min layer {_min(r['agreement']):.4f})")

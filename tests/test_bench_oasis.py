@@ -1,0 +1,70 @@
+"""scripts/bench_oasis.py's planning and parsing (the GPU runs themselves are in docs/benchmarks.md)."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from oasis_sglang.sglang_glue.backend import format_residency
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_oasis", ROOT / "scripts" / "bench_oasis.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["bench_oasis"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _args(bench, *argv):
+    import argparse
+
+    return argparse.Namespace(systems=None, input_len=16384, input_lens=None, output_len=256, batch=8, dense_batch=32,
+                           host_gib=72.0, budget=2048, fetch_cap=None, fetch_caps=[1, 2, 4, 8, 16],
+                           predictor="previous", eager=False)
+
+
+def test_all_plans_the_five_measurements_once(bench):
+    a = _args(bench)
+    keys = [r.key for r in bench.plan("all", a)]
+    assert len(keys) == len(set(keys))
+    for prefix in ("throughput/16384/", "throughput/32768/", "fetch-cap/", "context/4096/", "context/8192/",
+                   "short/1024/"):
+        assert any(k.startswith(prefix) for k in keys), prefix
+    assert not any(k.startswith("context/16384") for k in keys), "the 16K point is the throughput run"
+    runs = {r.key: r for r in bench.plan("all", a)}
+    d, o = runs["throughput/16384/dense"], runs["throughput/16384/oasis"]
+    assert d.pool == "80gb" and o.pool == "exact"
+    assert o.batch == o.host_requests == bench.host_requests_for(16384 + 256 + 64, 72.0) == 31
+    assert "--mem-fraction-static" in bench.system_args(d, a) and "--kv-sparse" in bench.system_args(o, a)
+    s = bench.system_args(runs["short/1024/oasis"], a)
+    assert int(s[s.index("--context-length") + 1]) >= 2048, "oasis refuses a budget above the context length"
+
+
+def test_oasis_figures_from_real_log_lines(bench):
+    def line(steps, h2d_blocks):
+        r = {"context_tokens": [100] * 4, "device_working_set_tokens": [64] * 4, "budget_tokens": 2048,
+             "sparse_layers": 34, "hit_blocks": 900, "admitted_blocks": h2d_blocks, "evicted_blocks": 0, "bytes_h2d": h2d_blocks * 4096,
+             "working_set_bytes": 0, "summary_bytes": 0, "host_tier_bytes": 2**30, "predictor": "previous",
+             "sync_steps": 0, "exposed_wait_ms": [0.0], "agreement": None, "decode_steps": steps, "graph_steps": steps}
+        return "[t] OasisKV decode: " + format_residency(r)
+
+    f = bench.oasis_figures([line(10, 1000), line(60, 51000)], step_ms=20.0)
+    assert f["h2d_mb_per_step"] == pytest.approx(50000 * 4096 / 1e6 / 50, rel=1e-3)   # the line rounds MiB
+    assert f["h2d_gb_s"] == pytest.approx(f["h2d_mb_per_step"] / 20.0)
+    assert f["graph_steps"] == 60 and f["host_tier_gb"] == pytest.approx(2**30 / 1e9)
+    assert bench.oasis_figures([], 1.0) == {}
+
+
+def test_tables_compare_oasis_with_dense_of_the_same_run(bench):
+    a = _args(bench)
+    res = [{"key": "throughput/16384/dense", "system": "dense", "decode_tok_s": 1000.0, "max_running": 22},
+           {"key": "throughput/16384/oasis", "system": "oasis", "decode_tok_s": 3100.0, "max_running": 31},
+           {"key": "fetch-cap/4", "system": "oasis", "error": "start failed: boom"}]
+    md = bench.tables(res, a)
+    assert "| throughput/16384/oasis | 31 | 3100.0 |" in md and "3.10x" in md
+    assert "fetch-cap/4 | failed: start failed: boom" in md
