@@ -204,11 +204,15 @@ def test_unpredicted_context_falls_back_to_synchronous_selection(seed, host):
     ra.step(host=host)
     assert a.stats.sync_steps == 1, "predicted again from the next step on"
     assert (a._pred_host is not None) == host, "the mirror agreed with the device at every step"
+    before = dict(a._pred_host or {})
     a.residency()
-    assert (a._pred_host is not None) == host, "and with the device's whole record"
+    if host:
+        assert a._pred_host == before, "and with the device's whole record"
+    else:
+        assert a._pred_host == {2: ra.t + 1}, "a record dropped for lack of host rows is rebuilt at the report"
 
 
-def test_host_mirror_follows_resets_and_turns_off_without_host_values(seed):
+def test_host_mirror_follows_resets_and_is_rebuilt_at_reports(seed):
     eng = _engine(16, "previous")
     eng.host_check_interval = 1
     run = Run(eng, [1, 2], 20, 40)
@@ -222,13 +226,14 @@ def test_host_mirror_follows_resets_and_turns_off_without_host_values(seed):
     assert eng.stats.sync_steps == 1 and eng._pred_host is not None
     eng._pred_host[2] += 5                  # a corrupted record is caught at the next report ...
     eng.residency()
-    assert eng._pred_host is None
-    eng._pred_host = {1: run.t + 1, 2: run.t + 1}
+    assert eng._pred_host == {1: run.t + 1, 2: run.t + 1}, "... and rebuilt from the device"
     run.step()                              # a caller without host values: the mirror is dropped ...
-    assert eng._pred_host is None
+    assert eng._pred_host is None and not eng.can_replay([1, 2], [run.t + 1] * 2)
     run.t += 1
-    run.step(host=True)                     # ... and the device record decides from then on
+    run.step(host=True)                     # ... the device record decides meanwhile ...
     assert eng.stats.sync_steps == 2
+    eng.residency()                         # ... until the next report rebuilds the host record
+    assert eng._pred_host == {1: run.t + 1, 2: run.t + 1} and eng.can_replay([1, 2], [run.t + 1] * 2)
     with pytest.raises(ValueError, match="rows_host"):
         eng.decode_attention(1, torch.randn(2, HQ, D), torch.randn(2, H, D), torch.randn(2, H, D), run.rows,
                              torch.full((2,), run.t + 1), run.rt, None, rows_host=[1], seq_lens_host=[3])
@@ -416,8 +421,10 @@ def test_graph_mode_steps_equal_eager_steps(seed, predictor):
         for l in x:
             assert torch.equal(x[l], y[l]), l
     assert torch.equal(a.ws.ids[:, [1, 3]], b.ws.ids[:, [1, 3]])
-    rb = b.residency()                               # raises if a real row ever missed its block
+    ra, rb = a.residency(), b.residency()             # raises if a real row ever missed its block
     assert rb["decode_steps"] == 20 and rb["graph_steps"] == 16 and rb["sync_steps"] == 0
+    for key in ("hit_blocks", "admitted_blocks", "evicted_blocks", "bytes_h2d", "bytes_d2h"):
+        assert ra[key] == rb[key], (key, "the padding row is not counted (and moves nothing)")
     assert rb["context_tokens"] == [50, 50] and rb["prediction_check"] == "host"
 
 
@@ -429,6 +436,12 @@ def test_can_replay_needs_every_row_predicted(seed):
     assert eng.can_replay([1, 2], [21, 21])
     assert not eng.can_replay([1, 2], [21, 22]), "a row predicted for another context"
     assert not eng.can_replay([1, 2], [21]), "lengths for another batch"
+    assert not eng.can_replay([1, None], [21, 21]) and not eng.can_replay(None, None)
+    with pytest.raises(ValueError, match="graph_step"):
+        eng.graph_step([1, 2], [21])
+    with pytest.raises(ValueError, match="graph_step"):
+        eng.graph_step([1, None], [21, 21])
+    assert eng.stats.decode_steps == 0, "a refused graph_step changes nothing"
     eng.reset_rows([2])
     assert not eng.can_replay([1, 2], [21, 21]), "a freed row"
     run.step()                                # no host values: the host record is dropped ...

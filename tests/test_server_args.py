@@ -48,6 +48,7 @@ def test_oasis_sets_dependent_defaults(model):
     (dict(speculative_algorithm="EAGLE3", speculative_eagle_topk=2), "--speculative-eagle-topk"),
     (dict(kv_sparse_config='{"predictor": "lookahead"}'), "predictor"),
     (dict(kv_sparse_config='{"measure_agreement": true}'), "measure_agreement"),
+    (dict(enable_torch_compile=True), "--enable-torch-compile"),
     (dict(speculative_algorithm="EAGLE3", speculative_adaptive=True), "--speculative-adaptive"),
     (dict(speculative_algorithm="EAGLE3", attention_backend="torch_native"), "--attention-backend"),
     (dict(speculative_algorithm="STANDALONE", speculative_draft_attention_backend="torch_native"),
@@ -122,9 +123,23 @@ def test_cuda_graphs_capture_decode_only():
     a = _graph_args()
     _cuda_graph_args(a, cpu=True)
     assert a.disable_cuda_graph
+    from sglang.srt.model_executor.cuda_graph_config import default_cuda_graph_config
+
+    obj = default_cuda_graph_config()
+    obj.prefill.backend = "breakable"
     for kw, flag in ((dict(cuda_graph_backend_prefill="breakable"), "--cuda-graph-backend-prefill"),
                      (dict(cuda_graph_backend_decode="tc_piecewise"), "--cuda-graph-backend-decode"),
-                     (dict(cuda_graph_config='{"prefill": {"backend": "full"}}'), "--cuda-graph-config")):
+                     (dict(cuda_graph_config='{"prefill": {"backend": "full"}}'), "--cuda-graph-config"),
+                     (dict(cuda_graph_config='{"decode": {"backend": "breakable"}}'), "--cuda-graph-config"),
+                     (dict(cuda_graph_config=obj), "--cuda-graph-config"),
+                     (dict(cuda_graph_config="{not json"), "--cuda-graph-config"),
+                     (dict(cuda_graph_config="[1, 2]"), "--cuda-graph-config"),
+                     # with a draft nothing is captured: a decode graph asked for is refused, not dropped
+                     (dict(speculative_algorithm="NGRAM", cuda_graph_backend_decode="full"), "--cuda-graph-backend-decode"),
+                     (dict(speculative_algorithm="EAGLE3", cuda_graph_config={"decode": {"backend": "full"}}),
+                      "--cuda-graph-config"),
+                     (dict(disable_cuda_graph=True, cuda_graph_backend_prefill="breakable"),
+                      "--cuda-graph-backend-prefill")):
         with pytest.raises(OasisConfigError, match=flag):
             _cuda_graph_args(_graph_args(**kw), cpu=False)
     a = _graph_args(cuda_graph_config='{"decode": {"backend": "full", "max_bs": 32}}')

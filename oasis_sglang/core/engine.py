@@ -247,6 +247,14 @@ class OasisSparseKV:
         the prefill); this layer only waits for its transfer event. A step whose rows were not
         all predicted for exactly this context (read once per step at its first sparse layer)
         selects synchronously with the current query instead.
+
+        Graph mode (``graph_mode``, set while SGLang captures a decode CUDA graph): nothing here
+        reads the host or the device's values; the top-K candidates span ``req_to_token``'s
+        width (the longest context a row can hold) instead of ``max_seq_len``; only the device
+        clock advances (``graph_step`` does the host bookkeeping before each replay, and
+        ``can_replay`` decides beforehand that every row was predicted); the last sparse layer
+        joins the stage streams, so a captured step is self-contained (its last layers'
+        transfers cannot overlap the next step). Rows equal to ``padding_row`` pad the batch.
         """
         li = self.index[layer_id]
         cfg, bs = self.cfg, self.bs
@@ -329,9 +337,12 @@ class OasisSparseKV:
             trusted (a prediction came without host rows) or a row was not predicted: the
             caller then runs the step eagerly, which selects synchronously.
         """
+        if rows_host is None or seq_lens_host is None or len(rows_host) != len(seq_lens_host) \
+                or any(r is None for r in rows_host):
+            return False
         if not self.predictor.asynchronous:
             return True
-        if self._pred_host is None or len(rows_host) != len(seq_lens_host):
+        if self._pred_host is None:
             return False
         return all(self._pred_host.get(int(r)) == int(x) for r, x in zip(rows_host, seq_lens_host))
 
@@ -345,7 +356,19 @@ class OasisSparseKV:
 
         Args:
             rows_host, seq_lens_host: the real rows (no padding) and their context lengths.
+        Raises:
+            ValueError: the two lists differ in length or hold non-integers (nothing changed).
+
+        The host record is advanced before the replay runs; if the replay then fails, the next
+        report finds the mismatch and rebuilds the record from the device (``_confirm_mirror``).
         """
+        try:
+            rows_l, seq_l = [int(r) for r in rows_host], [int(x) for x in seq_lens_host]
+        except (TypeError, ValueError):
+            raise ValueError(f"graph_step: rows_host and seq_lens_host must be integers, got {rows_host!r}, "
+                             f"{seq_lens_host!r}") from None
+        if len(rows_l) != len(seq_l):
+            raise ValueError(f"graph_step: {len(rows_l)} rows but {len(seq_l)} lengths")
         self.pipe.join()
         self.pipe.forget_waits()                  # exposed waits are timed on eager steps only
         self._step += 1
@@ -354,14 +377,13 @@ class OasisSparseKV:
         s.graph_steps += 1
         s.new_request_started, self._prefilled = self._prefilled, False
         self._last_li = len(self.sparse_layers)
-        rows_l, seq_l = [int(r) for r in rows_host], [int(x) for x in seq_lens_host]
         self._last_batch = (rows_l, seq_l)
         if self.predictor.asynchronous:
             self._mirror(rows_l, [x + 1 for x in seq_l])
 
     def _mirror(self, rows_h, seq_next_h) -> None:
-        """Record the first sparse layer's predictions on the host (or stop trusting the mirror
-        when a prediction came without host values)."""
+        """Record the first sparse layer's predictions on the host, or stop trusting the record
+        when a prediction came without host values (until ``_confirm_mirror`` rebuilds it)."""
         if self._pred_host is None:
             return
         if rows_h is None:
@@ -371,15 +393,19 @@ class OasisSparseKV:
 
     def _confirm_mirror(self) -> None:
         """Compare the host record of predictions with the device one (a host read; called when
-        reporting). On a mismatch: log an error and read the device every step from then on."""
-        if not self._pred_host:
-            return
+        reporting, so the device work queued so far is done). A mismatch is logged as an error;
+        either way, and when the record was dropped, it is rebuilt from the device record, so
+        the per-step check (and CUDA-graph replay) stays on the host."""
         dev = self._pred_seq[0].tolist()
-        bad = {r: (s, dev[r]) for r, s in self._pred_host.items() if dev[r] != s}
-        if bad:
-            logger.error("OasisKV: host record of predictions disagrees with the device for rows %s (host, "
-                         "device); reading the device every step from now on", dict(list(bad.items())[:8]))
-            self._pred_host = None
+        if self._pred_host is None:
+            logger.info("OasisKV: rebuilding the host record of predictions from the device (a decode step "
+                        "came without host rows)")
+        else:
+            bad = {r: (s, dev[r]) for r, s in self._pred_host.items() if dev[r] != s}
+            if bad:
+                logger.error("OasisKV: host record of predictions disagrees with the device for rows %s (host, "
+                             "device); rebuilt from the device", dict(list(bad.items())[:8]))
+        self._pred_host = {r: s for r, s in enumerate(dev) if s >= 0}
 
     def _begin_step(self, li: int, rows: torch.Tensor, seq: torch.Tensor, host=None) -> None:
         """Host bookkeeping at the first sparse layer of a decode step: decides whether every
@@ -425,10 +451,14 @@ class OasisSparseKV:
         adm = self._select(li, rows, wanted, forced, step)
         self._transfer(li, rows, seq, rtt, adm)
 
+    def _real(self, rows: torch.Tensor) -> torch.Tensor | None:
+        """``[B]`` bool: rows that are not the CUDA-graph padding row (None: all are real)."""
+        return None if self.padding_row is None else rows != self.padding_row
+
     def _select(self, li, rows, wanted, forced, step):
         if self.cfg.measure_agreement:
             self._pred_wanted[li][rows] = torch.where(forced, -1, wanted)
-        return self.ws.plan(li, rows, wanted, forced, step, self.cfg.fetch_cap)
+        return self.ws.plan(li, rows, wanted, forced, step, self.cfg.fetch_cap, counted=self._real(rows))
 
     def _transfer(self, li, rows, seq, rtt, adm):
         bs, H, K, P = self.bs, self.head_num, self.cfg.budget_blocks, self.host.num_pages
@@ -436,6 +466,9 @@ class OasisSparseKV:
         r = rows[:, None, None]
         blk = adm.block.clamp(min=0)
         live = adm.mask & (blk * bs < (seq - 1)[:, None, None])
+        real = self._real(rows)
+        if real is not None:         # a padding row's slots are never read for a real request: no copy
+            live = live & real[:, None, None]
         page_of = torch.div(rtt[r, (blk * bs).clamp(max=rtt.shape[1] - 1)].long(), bs, rounding_mode="floor")
         dst = torch.where(live, (r * H + h) * K + adm.entry, -1).reshape(-1)
         self._copy_in(li, dst, (h * P + page_of).reshape(-1))

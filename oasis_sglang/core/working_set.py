@@ -81,7 +81,7 @@ class WorkingSet:
         self.ids[layer][rows] = torch.where(ids >= first_block[:, None, None], -1, ids)
 
     def plan(self, layer: int, rows: torch.Tensor, wanted: torch.Tensor, forced: torch.Tensor,
-             step, fetch_cap: int | None) -> Admission:
+             step, fetch_cap: int | None, counted: torch.Tensor | None = None) -> Admission:
         """Decide admissions and evictions for one layer and update the block table.
 
         Wanted blocks already resident are hits (no traffic). Missing ones are admitted in
@@ -94,6 +94,8 @@ class WorkingSet:
             rows: ``[B]`` request rows. wanted / forced: ``[B, H, K]`` from ``select_blocks``.
             step: monotonically increasing step counter (LRU clock): an int, or a 0-dim int64
                 device tensor (no host value needed, so the call can be captured in a CUDA graph).
+            counted: ``[B]`` bool, the rows whose hits and evictions are counted (default all;
+                CUDA-graph padding rows are not).
         Returns:
             The admissions to copy in (``Admission``); the table already points at them.
             Runs without host synchronisation.
@@ -139,8 +141,10 @@ class WorkingSet:
         used = keep | filled
         ids[rows] = new_held
         self.last_used[layer][rows] = torch.where(used, step, self.last_used[layer][rows])
+        c = None if counted is None else counted[:, None, None]
         return Admission(mask=pair, entry=dest_order, block=blocks,
-                         evicted=(pair & ~was_free).sum(), hits=in_held.sum())
+                         evicted=(pair & ~was_free if c is None else pair & ~was_free & c).sum(),
+                         hits=(in_held if c is None else in_held & c).sum())
 
     def write_token(self, layer: int, rows: torch.Tensor, pos: torch.Tensor, k: torch.Tensor,
                     v: torch.Tensor, skip_row: int | None = None) -> torch.Tensor:

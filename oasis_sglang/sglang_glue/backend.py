@@ -202,6 +202,8 @@ class OasisAttnBackend(WrappedBackend):
         (``(None, None)`` elsewhere: the engine reads them there only)."""
         if layer.layer_id != self.engine.sparse_layers[0]:
             return None, None
+        if self.engine.graph_mode:   # capture / warm-up: dummy rows, nothing to check
+            return None, None
         return _host_rows(forward_batch, self.engine.batch_rows_host, extra)
 
     def _maybe_log(self):
@@ -312,7 +314,7 @@ def draft_backend_hook(result, self, *args, **kwargs):
     return result
 
 
-_warned_host = False
+_warned_host = 0
 
 
 def _host_rows(forward_batch, stashed=None, extra: int = 0):
@@ -326,11 +328,12 @@ def _host_rows(forward_batch, stashed=None, extra: int = 0):
     rows = stashed if stashed is not None and len(stashed) == B else None
     seq = getattr(forward_batch, "seq_lens_cpu", None)
     if rows is None or seq is None or len(seq) != B:
-        if not _warned_host:
+        if _warned_host < 5:
             logger.info("OasisKV: a %s batch carries no host copy of its rows (%s) or lengths (%s) for %d requests; "
-                        "the per-step prediction check reads the device", forward_batch.forward_mode,
+                        "this step's prediction check reads the device (and decode steps run eagerly until the "
+                        "next OasisKV decode line rebuilds the host record)", forward_batch.forward_mode,
                         None if rows is None else len(rows), None if seq is None else len(seq), B)
-            _warned_host = True
+            _warned_host += 1
         return None, None
     return list(rows), (seq + extra).tolist()
 
@@ -342,7 +345,8 @@ def run_batch_hook(self, batch, *args, **kwargs):
     eng = getattr(getattr(self, "req_to_token_pool", None), "_oasis", None)
     if eng is not None:
         reqs = getattr(batch, "reqs", None)
-        eng.batch_rows_host = None if reqs is None else [r.req_pool_idx for r in reqs]
+        rows = None if reqs is None else [r.req_pool_idx for r in reqs]
+        eng.batch_rows_host = None if rows is None or any(r is None for r in rows) else rows
     return None
 
 

@@ -123,7 +123,8 @@ def handle_kv_sparse_args(args) -> OasisConfig:
     cfg.predictor_for(has_draft=bool(spec))            # 'predictor' vs the draft source, before loading
     if str(getattr(args, "kv_cache_dtype", "auto")) not in ("auto", "bfloat16", "float16", "bf16", "fp16"):
         bad("--kv-cache-dtype", f"{args.kv_cache_dtype!r} is not supported (auto, bfloat16 or float16)")
-    for flag in ("enable_hierarchical_cache", "enable_hisparse", "enable_mixed_chunk", "enable_dp_attention"):
+    for flag in ("enable_hierarchical_cache", "enable_hisparse", "enable_mixed_chunk", "enable_dp_attention",
+                 "enable_torch_compile"):
         if getattr(args, flag, False):
             bad("--" + flag.replace("_", "-"), "cannot be combined")
     if getattr(args, "disaggregation_mode", "null") not in (None, "null"):
@@ -157,35 +158,64 @@ def handle_kv_sparse_args(args) -> OasisConfig:
     return cfg
 
 
-def _cuda_graph_args(args, cpu: bool) -> None:
-    """CUDA graphs with OasisKV: the decode step is captured (SGLang's decode graph runner; the
-    engine's ``graph_mode``), prefill never is (it walks requests on the host). With a draft
-    (the paired TARGET_VERIFY forward) and on CPU everything runs eagerly."""
-    if args.disable_cuda_graph:
-        return
-    why = ("the CPU engine" if cpu else
-           "the paired forward with a draft (TARGET_VERIFY) is not captured yet" if args.speculative_algorithm else None)
-    if why:
-        logger.info("OasisKV: disabling CUDA graphs (%s)", why)
-        args.disable_cuda_graph = True
-        return
+def _cuda_graph_config(args) -> dict:
+    """``--cuda-graph-config`` as a dict (JSON text, a dict or SGLang's ``CudaGraphConfig``).
+
+    Raises:
+        OasisConfigError: not JSON, or not an object of phase objects.
+    """
     cgc = getattr(args, "cuda_graph_config", None)
-    if cgc:
+    if not cgc:
+        return {}
+    if hasattr(cgc, "to_dict"):
+        cgc = cgc.to_dict()
+    if isinstance(cgc, str):
         import json
 
         try:
-            pre = (json.loads(cgc) if isinstance(cgc, str) else dict(cgc)).get("prefill", {})
-        except (TypeError, ValueError, AttributeError):
-            pre = {}
-        if isinstance(pre, dict) and pre.get("backend", "disabled") != "disabled":
-            raise OasisConfigError(f"--kv-sparse oasis: --cuda-graph-config prefill backend {pre.get('backend')!r}: "
-                                   f"OasisKV prefill cannot be captured; use 'disabled'")
+            cgc = json.loads(cgc)
+        except ValueError as e:
+            raise OasisConfigError(f"--kv-sparse oasis: --cuda-graph-config is not valid JSON ({e})") from None
+    if not isinstance(cgc, dict) or not all(isinstance(v, dict) for v in cgc.values()):
+        raise OasisConfigError(f"--kv-sparse oasis: --cuda-graph-config must be an object of phase objects, "
+                               f"e.g. {{\"decode\": {{\"backend\": \"full\"}}}}; got {cgc!r}")
+    return cgc
+
+
+def _cuda_graph_args(args, cpu: bool) -> None:
+    """CUDA graphs with OasisKV: the decode step is captured (SGLang's decode graph runner; the
+    engine's ``graph_mode``) with the ``full`` backend, prefill never is (it walks requests on
+    the host). With a draft (the paired TARGET_VERIFY forward) and on CPU nothing is captured.
+
+    Raises:
+        OasisConfigError: a CUDA-graph flag asks for a capture OasisKV cannot run (prefill, a
+            decode backend other than ``full``, any decode graph with a draft or on CPU).
+    """
+    cfg = _cuda_graph_config(args)
+    pre = str(cfg.get("prefill", {}).get("backend", "disabled")).lower()
+    dec = cfg.get("decode", {}).get("backend")
+    bad = lambda flag, val, why: OasisConfigError(f"--kv-sparse oasis: {flag} {val!r}: {why}")  # noqa: E731
+    if pre != "disabled":
+        raise bad("--cuda-graph-config prefill backend", pre, "OasisKV prefill cannot be captured; use 'disabled'")
     if getattr(args, "cuda_graph_backend_prefill", None) not in (None, "disabled"):
-        raise OasisConfigError(f"--kv-sparse oasis: --cuda-graph-backend-prefill {args.cuda_graph_backend_prefill!r}: "
-                               f"OasisKV prefill cannot be captured; use 'disabled'")
-    if getattr(args, "cuda_graph_backend_decode", None) not in (None, "full", "disabled"):
-        raise OasisConfigError(f"--kv-sparse oasis: --cuda-graph-backend-decode {args.cuda_graph_backend_decode!r}: "
-                               f"OasisKV captures the decode step whole; use 'full' or 'disabled'")
+        raise bad("--cuda-graph-backend-prefill", args.cuda_graph_backend_prefill,
+                  "OasisKV prefill cannot be captured; use 'disabled'")
+    why = ("on the CPU engine" if cpu else
+           "with a draft model (the paired TARGET_VERIFY forward is not captured yet)"
+           if getattr(args, "speculative_algorithm", None) else None)
+    for flag, val in (("--cuda-graph-backend-decode", getattr(args, "cuda_graph_backend_decode", None)),
+                      ("--cuda-graph-config decode backend", dec)):
+        if val is None or str(val).lower() == "disabled":
+            continue
+        if why:
+            raise bad(flag, val, f"OasisKV captures no CUDA graph {why}; use 'disabled' or leave it unset")
+        if str(val).lower() != "full":
+            raise bad(flag, val, "OasisKV captures the decode step whole; use 'full' or 'disabled'")
+    if why:
+        if not args.disable_cuda_graph:
+            logger.info("OasisKV: disabling CUDA graphs (%s)", why)
+        args.disable_cuda_graph = True
+        return
     if not getattr(args, "disable_prefill_cuda_graph", True):
         logger.info("OasisKV: disabling the prefill CUDA graph (decode steps are captured)")
         args.disable_prefill_cuda_graph = True
