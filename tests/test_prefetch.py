@@ -533,3 +533,16 @@ def test_cuda_graph_replay_equals_eager(seed, predictor):
             torch.testing.assert_close(xa[:, 0] if draft else xa, ya[:, 0] if draft else ya, rtol=1e-4, atol=1e-4)
     rb = b.residency()
     assert rb["graph_steps"] == 12 and rb["sync_steps"] == 0
+
+
+@pytest.mark.parametrize("n", [0, 3, 16, 37])
+def test_read_prefix_equals_the_token_gather(seed, n):
+    """The block-wise prefix read (copy_blocks) returns exactly what the host-side token gather
+    does, for whole blocks and a partial tail."""
+    eng = _engine(16, "previous")
+    run = Run(eng, [1, 2], 40, 40)
+    run.prefill()
+    li = 0
+    k, v = eng.read_prefix(li, run.rt[2], n, "cpu")
+    kt, vt = eng.host.read_tokens(li, run.rt[2, :n])
+    assert k.shape == (n, H, D) and torch.equal(k, kt) and torch.equal(v, vt)

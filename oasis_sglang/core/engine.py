@@ -183,13 +183,13 @@ class OasisSparseKV:
         for r, pre, ext in zip(rows_c, pre_c, ext_c):
             n = pre + ext
             if k_new is None:
-                k, v = self.host.read_tokens(li, req_to_token[r, :n])
+                k, v = self.read_prefix(li, req_to_token[r], n, q.device)
             else:
                 k = k_new[start:start + ext].view(ext, self.head_num, self.head_dim)
                 v = v_new[start:start + ext].view(ext, self.head_num, self.v_head_dim)
                 if pre:
-                    kp, vp = self.host.read_tokens(li, req_to_token[r, :pre])
-                    k, v = torch.cat([kp.to(k.device, k.dtype), k]), torch.cat([vp.to(v.device, v.dtype), v])
+                    kp, vp = self.read_prefix(li, req_to_token[r], pre, k.device)
+                    k, v = torch.cat([kp.to(k.dtype), k]), torch.cat([vp.to(v.dtype), v])
             out[start:start + ext] = attn.prefill_attention(q[start:start + ext], k.to(q.device), v.to(q.device), pre, scale)
             start += ext
         self._prefilled = True
@@ -213,6 +213,50 @@ class OasisSparseKV:
             if li == 0:
                 self._mirror([rows_c[i] for i in keep], [pre_c[i] + ext_c[i] + 1 for i in keep])
         return out
+
+    def read_prefix(self, layer_id_index: int, req_to_token_row: torch.Tensor, n: int,
+                    device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions ``0 .. n-1`` of one request from the host tier, on ``device``.
+
+        Args:
+            layer_id_index: sparse-layer index (``self.index[layer_id]``).
+            req_to_token_row: the request's row of SGLang's ``req_to_token`` (position -> slot).
+            n: tokens to read.
+        Returns:
+            ``(k [n, H, D], v [n, H, Dv])`` in the host tier's dtype.
+
+        Whole blocks go through ``ops.copy_blocks`` (on CUDA the H2D gather kernel, 4 KiB pieces
+        straight from pinned memory; a 16K-token prefix of a Qwen3-8B layer is 32 MB, under a
+        millisecond); a tail that is not a whole block is gathered token by token on the host.
+        (SGLang's prefixes are page-aligned and ``--page-size`` is the block size, so the tail
+        is empty for a chunked prefill or a radix-cache hit.) The token-by-token host gather
+        took ~2 s per 8K-token chunk at 16K on the H200, most of the OasisKV prefill time.
+        """
+        li, bs, H, D, Dv = layer_id_index, self.bs, self.head_num, self.head_dim, self.v_head_dim
+        nb = n // bs
+        dev = torch.device(device)
+        parts_k, parts_v = [], []
+        if nb:
+            rt = req_to_token_row.to(dev)
+            pages = torch.div(rt[:nb * bs:bs].to(torch.int64), bs, rounding_mode="floor")           # [nb]
+            P = self.host.num_pages
+            src = (torch.arange(H, device=dev)[:, None] * P + pages[None, :]).reshape(-1)        # [H * nb]
+            dst = torch.arange(H * nb, device=dev)
+            kb = torch.empty((H * nb, bs * D), dtype=self.host.dtype, device=dev)
+            vb = torch.empty((H * nb, bs * Dv), dtype=self.host.dtype, device=dev)
+            self.ops.copy_blocks(kb, vb, dst, self.host.k[li].view(-1, bs * D), self.host.v[li].view(-1, bs * Dv), src)
+            parts_k.append(kb.view(H, nb * bs, D).transpose(0, 1))
+            parts_v.append(vb.view(H, nb * bs, Dv).transpose(0, 1))
+        if n > nb * bs:
+            kt, vt = self.host.read_tokens(li, req_to_token_row[nb * bs:n])
+            parts_k.append(kt.to(dev))
+            parts_v.append(vt.to(dev))
+        if len(parts_k) == 1:
+            return parts_k[0].contiguous(), parts_v[0].contiguous()
+        if not parts_k:
+            return (torch.empty((0, H, D), dtype=self.host.dtype, device=dev),
+                    torch.empty((0, H, Dv), dtype=self.host.dtype, device=dev))
+        return torch.cat(parts_k), torch.cat(parts_v)
 
     # ---- decode ---------------------------------------------------------------------------
     def decode_attention(self, layer_id: int, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
