@@ -230,7 +230,7 @@ class OasisSparseKV:
         millisecond); a tail that is not a whole block is gathered token by token on the host.
         (SGLang's prefixes are page-aligned and ``--page-size`` is the block size, so the tail
         is empty for a chunked prefill or a radix-cache hit.) The token-by-token host gather
-        took ~2 s per 8K-token chunk at 16K on the H200, most of the OasisKV prefill time.
+        is what SGLang's prefill log on the H200 points at (chunks with an 8K prefix took ~2 s).
         """
         li, bs, H, D, Dv = layer_id_index, self.bs, self.head_num, self.head_dim, self.v_head_dim
         nb = n // bs
