@@ -229,8 +229,8 @@ class OasisSparseKV:
         straight from pinned memory; a 16K-token prefix of a Qwen3-8B layer is 32 MB, under a
         millisecond); a tail that is not a whole block is gathered token by token on the host.
         (SGLang's prefixes are page-aligned and ``--page-size`` is the block size, so the tail
-        is empty for a chunked prefill or a radix-cache hit.) The token-by-token host gather
-        is what SGLang's prefill log on the H200 points at (chunks with an 8K prefix took ~2 s).
+        is empty for a chunked prefill or a radix-cache hit.) This replaces a token-by-token
+        gather on the host CPU.
         """
         li, bs, H, D, Dv = layer_id_index, self.bs, self.head_num, self.head_dim, self.v_head_dim
         nb = n // bs
