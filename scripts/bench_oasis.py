@@ -22,7 +22,8 @@ Suites (``all`` runs the five issue-5 measurements; ``plan()`` says exactly what
                requests of 16K) vs oasis with a host tier of ``--host-gib`` GiB, at 16K and 32K
   concurrency  the most requests each of those keeps running at once
   fetch-cap    oasis at 16K for each of ``--fetch-caps`` (paper Table 2)
-  context      4K, 8K, 16K, 32K, dense vs oasis (plot: ``context_sweep.png``)
+  context      4K, 8K, 16K, 32K, dense vs oasis (plot: ``context_sweep.png``; with ``all`` the
+               16K and 32K points are the throughput runs, measured once)
   short        1K input, same pool for both: oasis / dense >= 0.97 is the target
   paired       issue 4's paired forward: oasis vs oasis-eagle3 (and dense, dense-eagle3)
 
@@ -161,7 +162,7 @@ def system_args(run: Run, a) -> list[str]:
         if a.eager:
             args += ["--disable-cuda-graph"]
     if name.endswith("eagle3"):
-        args += EAGLE + ["--speculative-draft-model-path", os.environ["D"]]
+        args += EAGLE + ["--speculative-draft-model-path", os.environ.get("D", "$D")]
     return args
 
 
@@ -359,7 +360,7 @@ def main() -> int:
         runs = [r for r in runs if r.key in a.only]
     if a.list:
         for r in runs:
-            print(r.key, " ".join(system_args(r, a)) if os.environ.get("M") else "")
+            print(r.key, "sglang serve --model-path $M", " ".join(system_args(r, a)))
         return 0
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

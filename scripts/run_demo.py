@@ -77,7 +77,7 @@ def main() -> int:
 
     o = results["oasis"]
     res = o["residency"]
-    print("\n" + "=" * 80 + "\n=== OasisKV KV residency (last decode step) ===")
+    print("\n" + "=" * 80 + "\n=== OasisKV KV residency (last OasisKV decode line: a request's first decode step, then every 40) ===")
     print(f"context (full KV cache in the host tier): {res['context'][0]} tokens")
     print(f"device working set: {res['device'][0]} tokens per sparse layer and KV head (budget {res['budget']}), "
           f"{res['context'][0] / max(1, res['device'][0]):.1f}x fewer than the context")
