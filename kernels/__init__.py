@@ -6,6 +6,8 @@
   copy_blocks.py    4. zero-copy H2D gather / D2H write-back of (KV head, block) pieces
   paged_attention.py 5. split-KV causal attention of 1-2 new tokens per request over SGLang's
                     token-major pool (the paired forward's dense layers and the draft layer)
+  plan_transfer.py  6. capped-eviction plan of a layer fused with its admissions' copy lists
+  append_tokens.py  7. decoded tokens into their resident slots + write-back of completed blocks
 
 ``TritonKVOps`` bundles them behind ``core.ops.BaseKVOps``; ``get_kv_ops(name)`` is the lazy
 factory over the registry ``{"torch", "triton"}`` (Triton is imported only when asked for).

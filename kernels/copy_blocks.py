@@ -12,6 +12,7 @@ Reference: ``oasis_sglang.core.ops.TorchKVOps.copy_blocks``.
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -42,7 +43,30 @@ def _copy_blocks_kernel(DstK, DstV, SrcK, SrcV, DstIdx, SrcIdx, M, PK: tl.conste
             tl.store(DstV + di * PV + offs, x.to(DstV.dtype.element_ty), mask=m)
 
 
-def copy_blocks(dst_k, dst_v, dst_idx, src_k, src_v, src_idx, programs: int = -1) -> None:
+@triton.jit
+def _copy_rows_kernel(DstK, DstV, SrcK, SrcV, DstIdx, SrcIdx, Counts, N, C, PK: tl.constexpr, PV: tl.constexpr,
+                      BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+    # lists of N rows of C entries, live entries first: only the first Counts[r] of row r are read
+    for r in range(tl.program_id(0), N, tl.num_programs(0)):
+        n = tl.load(Counts + r)
+        base = r * C                 # N * C = B * H * K entries: far below 2**31
+        for j in range(0, n):
+            di = tl.load(DstIdx + base + j).to(tl.int64)
+            si = tl.load(SrcIdx + base + j).to(tl.int64)
+            live = di >= 0
+            for o in tl.static_range(0, PK, BLOCK_K):
+                offs = o + tl.arange(0, BLOCK_K)
+                m = (offs < PK) & live
+                x = tl.load(SrcK + si * PK + offs, mask=m)
+                tl.store(DstK + di * PK + offs, x.to(DstK.dtype.element_ty), mask=m)
+            for o in tl.static_range(0, PV, BLOCK_V):
+                offs = o + tl.arange(0, BLOCK_V)
+                m = (offs < PV) & live
+                x = tl.load(SrcV + si * PV + offs, mask=m)
+                tl.store(DstV + di * PV + offs, x.to(DstV.dtype.element_ty), mask=m)
+
+
+def copy_blocks(dst_k, dst_v, dst_idx, src_k, src_v, src_idx, programs: int = -1, counts=None) -> None:
     """Triton version of :meth:`TorchKVOps.copy_blocks` (same arguments; see there).
 
     ``programs``: grid size; ``0`` launches one program per piece (fastest alone), a smaller
@@ -50,6 +74,10 @@ def copy_blocks(dst_k, dst_v, dst_idx, src_k, src_v, src_idx, programs: int = -1
     SM slots (a zero-copy kernel keeps its SM while it waits on the link); ``-1`` (default):
     two per SM, the best of 16 / 64 / 264 / one-per-piece measured on the H200 for an
     admission copy overlapping a decode step (docs/benchmarks.md).
+
+    ``counts``: ``[N]`` int32, the lists are ``N`` rows (``plan_transfer``'s output): only the
+    first ``counts[n]`` entries of row ``n`` are read, so the dead tail of a row costs nothing;
+    the grid then loops over rows.
 
     The launch runs on the device of whichever side is on CUDA (the index tensors' device).
     Raises:
@@ -74,6 +102,16 @@ def copy_blocks(dst_k, dst_v, dst_idx, src_k, src_v, src_idx, programs: int = -1
     PK, PV = dst_k.shape[1], dst_v.shape[1]
     if programs < 0:
         programs = 2 * num_sms(dev)
+    if counts is not None:
+        N = counts.numel()
+        assert N > 0 and M % N == 0 and counts.dtype == torch.int32 and counts.device == dev, \
+            (M, counts.shape, counts.dtype)
+        grid = N if programs == 0 else min(N, programs)
+        _copy_rows_kernel[(grid,)](
+            kernel_arg(dst_k, dev), kernel_arg(dst_v, dev), kernel_arg(src_k, dev), kernel_arg(src_v, dev),
+            dst_idx, src_idx, counts, N, M // N, PK=PK, PV=PV, BLOCK_K=min(2048, next_pow2(PK)),
+            BLOCK_V=min(2048, next_pow2(PV)), num_warps=4)
+        return
     grid = M if programs == 0 else min(M, programs)
     _copy_blocks_kernel[(grid,)](
         kernel_arg(dst_k, dev), kernel_arg(dst_v, dev), kernel_arg(src_k, dev), kernel_arg(src_v, dev),

@@ -111,17 +111,31 @@ def block_keys(q, kmin, kmax, req_to_token, rows, seq_lens, block_size: int, sin
     return keys
 
 
+@triton.jit
+def _decode_keys_kernel(Vals, Idx, Wanted, Forced, KK, K, BLOCK: tl.constexpr, POS: tl.constexpr,
+                        NEG: tl.constexpr):
+    # one program per (row, KV head): the top keys' high halves say forced (+inf) / absent (-inf)
+    r = tl.program_id(0).to(tl.int64)
+    i = tl.arange(0, BLOCK)
+    m = i < KK
+    hi = tl.load(Vals + r * KK + i, mask=m, other=0) >> 32
+    idx = tl.load(Idx + r * KK + i, mask=m, other=-1)
+    wanted = tl.where(m & (hi > NEG), idx, -1)
+    tl.store(Wanted + r * K + i, wanted, mask=i < K)
+    tl.store(Forced + r * K + i, (m & (hi == POS)).to(tl.int8), mask=i < K)
+
+
 def topk_from_keys(keys: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(wanted [B, H, k] int64, forced [B, H, k] bool)`` from ``block_keys`` (``-1`` padding)."""
+    """``(wanted [B, H, k] int64, forced [B, H, k] bool)`` from ``block_keys`` (``-1`` padding):
+    ``torch.topk`` on the keys, then one small kernel decodes them (instead of five elementwise ops)."""
     B, H, NB = keys.shape
     kk = min(k, NB)
     vals, idx = torch.topk(keys, kk, dim=-1, largest=True, sorted=True)
-    hi = vals >> 32
-    wanted = torch.where(hi > NEG_INF_KEY32, idx, torch.full_like(idx, -1))
-    forced = hi == POS_INF_KEY32
-    if kk < k:
-        wanted = torch.cat([wanted, wanted.new_full((B, H, k - kk), -1)], -1)
-        forced = torch.cat([forced, forced.new_zeros((B, H, k - kk))], -1)
+    wanted = torch.empty((B, H, k), dtype=torch.int64, device=keys.device)
+    forced = torch.empty((B, H, k), dtype=torch.bool, device=keys.device)
+    if B * H:
+        _decode_keys_kernel[(B * H,)](vals, idx, wanted, forced.view(torch.int8), kk, k, BLOCK=next_pow2(k),
+                                          POS=POS_INF_KEY32, NEG=NEG_INF_KEY32, num_warps=4)
     return wanted, forced
 
 

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from oasis_sglang.core.ops import BaseKVOps
 
+from .append_tokens import append_tokens
 from .copy_blocks import copy_blocks
 from .paged_attention import paged_attention
+from .plan_transfer import plan_transfer
 from .sparse_decode import sparse_decode_attention
 from .topk import select_topk
 from .write_kv import write_kv
@@ -32,9 +34,20 @@ class TritonKVOps(BaseKVOps):
         return select_topk(q, kmin, kmax, req_to_token, rows, seq_lens, block_size, sink_blocks,
                            recent_blocks, nb_max, k)
 
-    def copy_blocks(self, dst_k, dst_v, dst_idx, src_k, src_v, src_idx):
+    def copy_blocks(self, dst_k, dst_v, dst_idx, src_k, src_v, src_idx, counts=None):
         """See :meth:`BaseKVOps.copy_blocks`; the grid is ``copy_programs`` (``kernels.copy_blocks``)."""
-        copy_blocks(dst_k, dst_v, dst_idx, src_k, src_v, src_idx, self.copy_programs)
+        copy_blocks(dst_k, dst_v, dst_idx, src_k, src_v, src_idx, self.copy_programs, counts=counts)
+
+    def plan_transfer(self, ids, last_used, rows, wanted, forced, step, fetch_cap, seq, req_to_token,
+                      block_size, num_pages, counters, skip_row=None):
+        """See :meth:`BaseKVOps.plan_transfer` (``kernels.plan_transfer``: one launch)."""
+        return plan_transfer(ids, last_used, rows, wanted, forced, step, fetch_cap, seq, req_to_token, block_size,
+                             num_pages, counters, skip_row)
+
+    def append_tokens(self, ws_k, ws_v, ids, rows, pos, k, v, host_k, host_v, req_to_token, violations,
+                      counters, skip_row=None):
+        """See :meth:`BaseKVOps.append_tokens` (``kernels.append_tokens``: one launch)."""
+        append_tokens(ws_k, ws_v, ids, rows, pos, k, v, host_k, host_v, req_to_token, violations, counters, skip_row)
 
     def sparse_decode_attention(self, q, ws_k, ws_v, ids, rows, seq_lens, scale, k_extra=None,
                                 v_extra=None, return_lse=False):

@@ -32,13 +32,20 @@ def _write_kv_kernel(HostK, HostV, Kmin, Kmax, K, V, SegPage, SegOff, SegSrc, Se
                      stride_hk_h, stride_hv_h, stride_s_p, stride_k_n, stride_k_h, stride_v_n, stride_v_h,
                      P, BS: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
                      BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                     WRITE_HOST: tl.constexpr):
+                     WRITE_HOST: tl.constexpr, ONE_EACH: tl.constexpr):
     seg = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
-    page = tl.load(SegPage + seg).to(tl.int64)
-    off0 = tl.load(SegOff + seg).to(tl.int64)
-    src = tl.load(SegSrc + seg).to(tl.int64)
-    n = tl.load(SegLen + seg)
+    if ONE_EACH:                    # decode: SegPage holds the token locations, one token per segment
+        loc = tl.load(SegPage + seg).to(tl.int64)
+        page = loc // BS
+        off0 = loc % BS
+        src = seg.to(tl.int64)
+        n = 1
+    else:
+        page = tl.load(SegPage + seg).to(tl.int64)
+        off0 = tl.load(SegOff + seg).to(tl.int64)
+        src = tl.load(SegSrc + seg).to(tl.int64)
+        n = tl.load(SegLen + seg)
     t = tl.arange(0, BLOCK_T)
     tm = t < n
     d = tl.arange(0, BLOCK_D)
@@ -111,10 +118,14 @@ def write_kv(host_k, host_v, kmin, kmax, loc, k, v, block_size: int, one_token_e
     if checks_enabled():
         check_range(loc, 0, P * bs, "loc (token locations)")
     dev = kmin.device
-    page, off, src, length = segments(loc.to(dev), bs, one_token_each)
+    if one_token_each:              # the kernel splits the locations itself: no index ops before it
+        loc_d = loc.to(dev)
+        page = off = src = length = loc_d
+    else:
+        page, off, src, length = segments(loc.to(dev), bs, one_token_each)
     grid = (page.numel(), H)
     _write_kv_kernel[grid](
         kernel_arg(host_k, dev), kernel_arg(host_v, dev), kmin, kmax, k, v, page, off, src, length,
         host_k.stride(0), host_v.stride(0), kmin.stride(0), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         P, BS=bs, D=D, DV=Dv, BLOCK_T=next_pow2(bs), BLOCK_D=next_pow2(D), BLOCK_DV=next_pow2(Dv),
-        WRITE_HOST=write_host)
+        WRITE_HOST=write_host, ONE_EACH=one_token_each)

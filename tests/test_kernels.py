@@ -28,6 +28,9 @@ from oasis_sglang.kernels.paged_attention import paged_attention  # noqa: E402
 from oasis_sglang.kernels.sparse_decode import sparse_decode_attention  # noqa: E402
 from oasis_sglang.kernels.topk import NEG_INF_KEY32, block_keys, select_topk  # noqa: E402
 from oasis_sglang.kernels.write_kv import segments, write_kv  # noqa: E402
+from oasis_sglang.kernels.append_tokens import append_tokens  # noqa: E402
+from oasis_sglang.kernels.plan_transfer import plan_transfer  # noqa: E402
+from oasis_sglang.core.selection import select_blocks  # noqa: E402
 
 DEV = "cuda" if CUDA else "cpu"
 pytestmark = [pytest.mark.gpu] if CUDA else []
@@ -226,6 +229,121 @@ def test_copy_blocks_exact(seed, direction, programs):
     if CUDA:
         torch.cuda.synchronize()
     assert torch.equal(dst[0].cpu(), want_k) and torch.equal(dst[1].cpu(), want_v)
+
+
+@pytest.mark.parametrize("programs", [0, 3])
+def test_copy_blocks_rows_read_only_the_counted_entries(seed, programs):
+    """Row lists (``plan_transfer``'s output): entries past ``counts[n]`` are never read, even if live."""
+    piece, Ns, Nd, N, C = 16 * 8, 50, 40, 5, 6
+    src_k, src_v = host_tensor((Ns, piece), torch.float32), host_tensor((Ns, piece), torch.float32)
+    dst_k, dst_v = torch.randn(Nd, piece).to(DEV), torch.randn(Nd, piece).to(DEV)
+    di = torch.randperm(Nd)[:N * C].view(N, C)
+    si = torch.randint(0, Ns, (N, C))
+    counts = torch.randint(0, C + 1, (N,), dtype=torch.int32)
+    want_k, want_v = dst_k.clone().cpu(), dst_v.clone().cpu()
+    for n in range(N):
+        c = int(counts[n])
+        want_k[di[n, :c]] = src_k.cpu()[si[n, :c]]
+        want_v[di[n, :c]] = src_v.cpu()[si[n, :c]]
+    ref_k, ref_v = dst_k.clone(), dst_v.clone()
+    REF.copy_blocks(ref_k, ref_v, di.reshape(-1).to(DEV), src_k, src_v, si.reshape(-1).to(DEV), counts=counts.to(DEV))
+    copy_blocks(dst_k, dst_v, di.reshape(-1).to(DEV), src_k, src_v, si.reshape(-1).to(DEV), programs=programs,
+                counts=counts.to(DEV))
+    if CUDA:
+        torch.cuda.synchronize()
+    for got in ((dst_k, dst_v), (ref_k, ref_v)):
+        assert torch.equal(got[0].cpu(), want_k) and torch.equal(got[1].cpu(), want_v)
+
+
+# ---- 6. capped-eviction plan + copy lists ------------------------------------------------------
+@pytest.mark.parametrize("cap", [None, 0, 1, 3])
+@pytest.mark.parametrize("K", [6, 8])
+def test_plan_transfer_equals_reference_exactly(seed, cap, K):
+    """30 steps of random predictions (the sink/recent blocks moving with the context) over a shared
+    slot table: block table, LRU clock, copy lists, counts and counters equal the reference's,
+    with a CUDA-graph padding row in the batch."""
+    R, H, bs, NB = 6, 3, 4, 24
+    rows = torch.tensor([2, 0, 5, 3], device=DEV)
+    pad = 0
+    rtt, P = layout([NB * bs] * R, bs)
+    rtt = rtt.to(DEV)
+    state = [[torch.full((R, H, K), -1, dtype=torch.int64, device=DEV), torch.zeros((R, H, K), dtype=torch.int64, device=DEV),
+              torch.zeros(4, dtype=torch.int64, device=DEV)] for _ in range(2)]
+    seq = torch.tensor([9, 14, 3, 30], device=DEV)
+    for step in range(1, 31):
+        seq = (seq + torch.randint(0, 2, (4,), device=DEV)).clamp(max=NB * bs)
+        nb, nc = (seq + bs - 1) // bs, seq // bs
+        scores = torch.randint(-3, 4, (4, H, NB), device=DEV).float()
+        wanted, forced = select_blocks(scores, nb, nc, K, 1, 2)
+        st = torch.tensor(step, dtype=torch.int64, device=DEV)
+        out = []
+        for (ids, lru, ctr), fn in zip(state, (REF.plan_transfer, plan_transfer)):
+            out.append(fn(ids, lru, rows, wanted, forced, st, cap, seq, rtt, bs, P, ctr, skip_row=pad))
+        for a, b in zip(*out):
+            assert torch.equal(a.cpu(), b.cpu()), step
+        for a, b in zip(*state):
+            assert torch.equal(a.cpu(), b.cpu()), step
+    dst, src, counts = out[1]
+    assert int(state[0][2][1]) > 0 and int(state[0][2][0]) > 0
+    assert (counts.view(4, H)[1] == 0).all(), "the padding row copies nothing"
+
+
+def test_plan_transfer_handles_an_int_step_and_no_cap(seed):
+    R, H, K, bs = 3, 2, 4, 8
+    rtt, P = layout([64] * R, bs)
+    ids = torch.full((R, H, K), -1, dtype=torch.int64, device=DEV)
+    lru, ctr = torch.zeros_like(ids), torch.zeros(4, dtype=torch.int64, device=DEV)
+    wanted = torch.tensor([[[0, 7, 3, -1], [1, 2, -1, -1]]], device=DEV)
+    forced = torch.zeros_like(wanted, dtype=torch.bool)
+    dst, src, counts = plan_transfer(ids, lru, torch.tensor([1], device=DEV), wanted, forced, 5, None,
+                                     torch.tensor([60], device=DEV), rtt.to(DEV), bs, P, ctr)
+    # block 7 starts at token 56 < 59: copied; every wanted block now resident in slot order
+    assert ids[1].tolist() == [[0, 7, 3, -1], [1, 2, -1, -1]] and (lru[1][ids[1] >= 0] == 5).all()
+    assert counts.tolist() == [3, 2] and dst[0, :3].tolist() == [(1 * H + 0) * K + e for e in range(3)]
+    assert src[0, :3].tolist() == [int(rtt[1, b * bs]) // bs for b in (0, 7, 3)] and dst[0, 3] == -1
+    assert ctr.tolist() == [0, 5, 0, 0]
+
+
+# ---- 7. decoded tokens into the working set + write-back ------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_append_tokens_equals_reference_exactly(seed, dtype):
+    """Tokens at every block offset (the last ones complete a block and are written back), a token
+    whose block is not resident (a violation: written nowhere), and a padding row."""
+    R, H, K, bs, D, Dv = 5, 2, 4, 8, 16, 8
+    rtt, P = layout([K * 2 * bs] * R, bs)
+    rtt = rtt.to(DEV)
+    ids = torch.stack([torch.randperm(2 * K)[:K] for _ in range(R * H)]).view(R, H, K).to(DEV)
+    ids[1, 1, 2] = -1
+    rows = torch.tensor([1, 3, 4, 0, 2], device=DEV)
+    blk = ids[rows, 0, torch.randint(0, K, (5,))]                       # a resident block of KV head 0
+    blk[0] = 0 if int(ids[1, 0, 0]) != 0 else 1
+    pos = blk * bs + torch.tensor([bs - 1, 3, bs - 1, bs - 1, 0], device=DEV)
+    k, v = torch.randn(5, H, D).to(dtype).to(DEV), torch.randn(5, H, Dv).to(dtype).to(DEV)
+    states = []
+    for fn in (REF.append_tokens, append_tokens):
+        ws_k = torch.randn(R, H, K, bs, D, generator=torch.Generator().manual_seed(1)).to(dtype).to(DEV)
+        ws_v = torch.randn(R, H, K, bs, Dv, generator=torch.Generator().manual_seed(2)).to(dtype).to(DEV)
+        hk = host_tensor((H, P, bs, D), dtype).zero_()
+        hv = host_tensor((H, P, bs, Dv), dtype).zero_()
+        viol, ctr = torch.zeros((), dtype=torch.int64, device=DEV), torch.zeros(4, dtype=torch.int64, device=DEV)
+        fn(ws_k, ws_v, ids, rows, pos, k, v, hk, hv, rtt, viol, ctr, skip_row=0)
+        states.append((ws_k, ws_v, hk, hv, viol, ctr))
+    if CUDA:
+        torch.cuda.synchronize()
+    for a, b in zip(*states):
+        assert torch.equal(a.cpu(), b.cpu())
+    ws_k, _, hk, _, viol, ctr = states[1]
+    n_bad = sum(int(not (ids[int(r), h] == int(p) // bs).any()) for r, p in zip(rows.tolist(), pos.tolist())
+                for h in range(H) if int(r) != 0)
+    assert int(viol) == n_bad
+    # batch entries 0 and 2 end their block: written back for each KV head where the block is resident
+    done = [(b, h) for b in (0, 2) for h in range(H) if (ids[int(rows[b]), h] == int(pos[b]) // bs).any()]
+    assert int(ctr[3]) == len(done) and done
+    for b, h in done:
+        r, p = int(rows[b]), int(pos[b])
+        e = int((ids[r, h] == p // bs).nonzero()[0])
+        page = int(rtt[r, p]) // bs
+        assert torch.equal(hk[h, page].cpu(), ws_k[r, h, e].cpu()) and torch.equal(ws_k[r, h, e, bs - 1].cpu(), k[b, h].cpu())
 
 
 # ---- the engine with the Triton ops equals the engine with the torch references ---------------------

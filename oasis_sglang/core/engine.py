@@ -112,8 +112,11 @@ class OasisSparseKV:
         self._prefilled = False
         self._last_batch = None            # (rows, seq) device tensors of the last step, read when reporting
         self.pipe = PrefetchPipeline(L, self.device)
-        # context length each row's working set was last predicted for, per layer (-1: none)
-        self._pred_seq = torch.full((L, num_rows), -1, dtype=torch.int64, device=self.device)
+        # context length each row's working set was last predicted for (-1: none); written by the
+        # first sparse layer's prediction only: every layer of a row is predicted in the same step
+        self._pred_seq = torch.full((num_rows,), -1, dtype=torch.int64, device=self.device)
+        # per-step values shared by the layers of one decode step (see ``_step_values``)
+        self._step_vals = None
         # host mirror of the first sparse layer's predictions {row: context}, kept while every
         # call brings the rows and lengths on the host: the per-step check then reads no device
         # memory (no host synchronisation on the decode path); None once it cannot be trusted
@@ -329,12 +332,14 @@ class OasisSparseKV:
                 raise ValueError(f"decode_attention: rows_host / seq_lens_host have {len(host[0])} / "
                                  f"{len(host[1])} entries for a batch of {B}")
         if li <= self._last_li:
+            self._step_vals = None
             if self.graph_mode:      # device clock only; the host bookkeeping is graph_step's
                 self._step_d += 1
                 self._sync_step = False
             else:
                 self._begin_step(li, rows_d, seq, host)
         self._last_li = li
+        seq_m1, seq_p1, step_next = self._step_values(seq_lens, seq)
         self.pipe.wait(li)
         qv = q.view(B, -1, self.head_dim)
         if not self.predictor.asynchronous or self._sync_step:
@@ -344,8 +349,10 @@ class OasisSparseKV:
         elif cfg.measure_agreement:
             self._measure_agreement(li, qv, rows_d, seq, rtt, nb_max)
         # 5. the new token into its resident block; completed blocks written back to the host tier
-        entry = self.ws.write_token(li, rows_d, seq - 1, k_new, v_new, skip_row=self.padding_row)
-        self._write_back(li, rows_d, seq, entry, rtt)
+        self.ops.append_tokens(self.ws.k[li], self.ws.v[li], self.ws.ids[li], rows_d, seq_m1,
+                               k_new.view(B, self.head_num, self.head_dim), v_new.view(B, self.head_num, self.v_head_dim),
+                               self.host.k[li], self.host.v[li], rtt, self.ws.violations, self._counters[li],
+                               skip_row=self.padding_row)
         if q_draft is None:
             qq, kx, vx = q.view(B, 1, q.shape[1], q.shape[2]), None, None
         else:
@@ -356,7 +363,8 @@ class OasisSparseKV:
                                                   scale, k_extra=kx, v_extra=vx)
         if self.predictor.asynchronous:
             qd = None if q_draft is None else q_draft.view(B, -1, self.head_dim)
-            self._issue_prefetch(li, self.predictor.query(qv, qd), rows_d, seq + 1, rtt, -(-(max_seq + 1) // bs))
+            self._issue_prefetch(li, self.predictor.query(qv, qd), rows_d, seq_p1, rtt, -(-(max_seq + 1) // bs),
+                                 step_next)
             if li == 0 and not self.graph_mode:
                 self._mirror(None if host is None else host[0], None if host is None else [x + 1 for x in host[1]])
         if self.graph_mode and li == len(self.sparse_layers) - 1:
@@ -366,6 +374,16 @@ class OasisSparseKV:
         if q_draft is None:
             return out.view(B, q.shape[1], self.v_head_dim)
         return out
+
+    def _step_values(self, seq_lens: torch.Tensor, seq: torch.Tensor):
+        """``(seq - 1, seq + 1, device clock + 1)`` of the current decode step, computed by its
+        first sparse layer and reused by the others while they pass the same ``seq_lens`` tensor
+        (SGLang passes ``forward_batch.seq_lens`` to every layer): three launches per step
+        instead of three per layer. Reset when a step begins (``_begin_step`` / graph mode)."""
+        v = self._step_vals
+        if v is None or v[0] is not seq_lens:
+            v = self._step_vals = (seq_lens, seq - 1, seq + 1, self._step_d + 1)
+        return v[1:]
 
     # ---- CUDA-graph decode (SGLang's decode graph runner) ------------------------------------
     def can_replay(self, rows_host: Sequence[int], seq_lens_host: Sequence[int]) -> bool:
@@ -440,7 +458,7 @@ class OasisSparseKV:
         reporting, so the device work queued so far is done). A mismatch is logged as an error;
         either way, and when the record was dropped, it is rebuilt from the device record, so
         the per-step check (and CUDA-graph replay) stays on the host."""
-        dev = self._pred_seq[0].tolist()
+        dev = self._pred_seq.tolist()
         if self._pred_host is None:
             logger.info("OasisKV: rebuilding the host record of predictions from the device (a decode step "
                         "came without host rows)")
@@ -469,14 +487,14 @@ class OasisSparseKV:
             if host is not None and self._pred_host is not None and li == 0:
                 self._sync_step = any(self._pred_host.get(r) != x for r, x in zip(*host))
                 if self.host_check_interval and self._step % self.host_check_interval == 0:
-                    dev = bool((self._pred_seq[li][rows] != seq).any())
+                    dev = bool((self._pred_seq[rows] != seq).any())
                     if dev != self._sync_step:
                         logger.error("OasisKV: host record of predictions disagrees with the device (host %s, "
                                      "device %s); reading the device every step from now on",
                                      self._sync_step, dev)
                         self._pred_host, self._sync_step = None, dev
             else:
-                self._sync_step = bool((self._pred_seq[li][rows] != seq).any())
+                self._sync_step = bool((self._pred_seq[rows] != seq).any())
             s.sync_steps += int(self._sync_step)
 
     def _predict(self, li, q, rows, seq, rtt, nb_max):
@@ -492,49 +510,35 @@ class OasisSparseKV:
 
         A block with no token before the step's new one (it starts at ``seq - 1``) is admitted
         without a copy: the new token is its first."""
-        adm = self._select(li, rows, wanted, forced, step)
-        self._transfer(li, rows, seq, rtt, adm)
+        self._copy_in(li, self._select(li, rows, seq, rtt, wanted, forced, step))
 
-    def _real(self, rows: torch.Tensor) -> torch.Tensor | None:
-        """``[B]`` bool: rows that are not the CUDA-graph padding row (None: all are real)."""
-        return None if self.padding_row is None else rows != self.padding_row
-
-    def _select(self, li, rows, wanted, forced, step):
+    def _select(self, li, rows, seq, rtt, wanted, forced, step):
+        """Stage (b) (``ops.plan_transfer``): returns the copy lists ``(dst, src, counts)``."""
         if self.cfg.measure_agreement:
             self._pred_wanted[li][rows] = torch.where(forced, -1, wanted)
-        return self.ws.plan(li, rows, wanted, forced, step, self.cfg.fetch_cap, counted=self._real(rows))
+        return self.ops.plan_transfer(self.ws.ids[li], self.ws.last_used[li], rows, wanted, forced, step,
+                                      self.cfg.fetch_cap, seq, rtt, self.bs, self.host.num_pages, self._counters[li],
+                                      skip_row=self.padding_row)
 
-    def _transfer(self, li, rows, seq, rtt, adm):
-        bs, H, K, P = self.bs, self.head_num, self.cfg.budget_blocks, self.host.num_pages
-        h = torch.arange(H, device=self.device)[None, :, None]
-        r = rows[:, None, None]
-        blk = adm.block.clamp(min=0)
-        live = adm.mask & (blk * bs < (seq - 1)[:, None, None])
-        real = self._real(rows)
-        if real is not None:         # a padding row's slots are never read for a real request: no copy
-            live = live & real[:, None, None]
-        page_of = torch.div(rtt[r, (blk * bs).clamp(max=rtt.shape[1] - 1)].long(), bs, rounding_mode="floor")
-        dst = torch.where(live, (r * H + h) * K + adm.entry, -1).reshape(-1)
-        self._copy_in(li, dst, (h * P + page_of).reshape(-1))
-        self._counters[li, :3] += torch.stack([adm.hits, live.sum(), adm.evicted])
-        return dst
-
-    def _copy_in(self, li: int, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """H2D: working-set pieces ``dst [M]`` (``-1`` skipped) from host-tier pieces ``src [M]``."""
+    def _copy_in(self, li: int, plan) -> None:
+        """Stage (c), H2D: the working-set pieces of ``plan = (dst, src, counts)`` from the host tier."""
         bs = self.bs
-        self.ops.copy_blocks(self.ws.k[li].view(-1, bs * self.head_dim), self.ws.v[li].view(-1, bs * self.v_head_dim), dst,
-                             self.host.k[li].view(-1, bs * self.head_dim), self.host.v[li].view(-1, bs * self.v_head_dim),
-                             src)
+        dst, src, counts = plan
+        self.ops.copy_blocks(self.ws.k[li].view(-1, bs * self.head_dim), self.ws.v[li].view(-1, bs * self.v_head_dim),
+                             dst.reshape(-1), self.host.k[li].view(-1, bs * self.head_dim),
+                             self.host.v[li].view(-1, bs * self.v_head_dim), src.reshape(-1), counts=counts)
 
-    def _issue_prefetch(self, li, q, rows, seq_next, rtt, nb_max_next) -> None:
+    def _issue_prefetch(self, li, q, rows, seq_next, rtt, nb_max_next, step=None) -> None:
         """Queue predict -> select -> transfer of layer ``li`` for the next step (context
-        ``seq_next``) on the pipeline's streams, after the work queued so far."""
-        self._pred_seq[li][rows] = seq_next          # intent, on the compute stream (read by _begin_step)
-        step = self._step_d + 1
+        ``seq_next``; LRU clock ``step``, default the device clock + 1) on the pipeline's
+        streams, after the work queued so far."""
+        if li == 0:
+            self._pred_seq[rows] = seq_next      # intent, on the compute stream (read by _begin_step)
+        step = self._step_d + 1 if step is None else step
         self.pipe.launch(li, (
             lambda _: self._predict(li, q, rows, seq_next, rtt, nb_max_next),
-            lambda wf: self._select(li, rows, wf[0], wf[1], step),
-            lambda adm: self._transfer(li, rows, seq_next, rtt, adm),
+            lambda wf: self._select(li, rows, seq_next, rtt, wf[0], wf[1], step),
+            lambda plan: self._copy_in(li, plan),
         ), keep=(q, rows, seq_next, rtt, step))
 
     def _measure_agreement(self, li, q, rows, seq, rtt, nb_max) -> None:
@@ -545,21 +549,6 @@ class OasisSparseKV:
         hit = ((true[..., :, None] == pred[..., None, :]) & (pred >= 0)[..., None, :]).any(-1) & (true >= 0)
         self._agreement[li] += torch.stack([hit.sum(), (true >= 0).sum()])
 
-    def _write_back(self, li: int, rows: torch.Tensor, seq: torch.Tensor, entry: torch.Tensor,
-                    req_to_token: torch.Tensor) -> None:
-        """Copy the blocks completed by this step's tokens from the working set to the host tier
-        (one piece per request and KV head; requests whose block is not complete move nothing)."""
-        bs, H, K, P = self.bs, self.head_num, self.cfg.budget_blocks, self.host.num_pages
-        done = (seq % bs == 0)[:, None]                                   # [B, 1]
-        page = torch.div(req_to_token[rows, seq - 1].long(), bs, rounding_mode="floor")
-        h = torch.arange(H, device=rows.device)
-        src = ((rows[:, None] * H + h) * K + entry).reshape(-1)
-        dst = torch.where(done, h * P + page[:, None], -1).reshape(-1)
-        self.ops.copy_blocks(self.host.k[li].view(-1, bs * self.head_dim), self.host.v[li].view(-1, bs * self.v_head_dim),
-                             dst, self.ws.k[li].view(-1, bs * self.head_dim), self.ws.v[li].view(-1, bs * self.v_head_dim),
-                             src)
-        self._counters[li, 3] += done.sum() * H
-
     # ---- lifecycle and reporting ----------------------------------------------------------
     def reset_rows(self, rows) -> None:
         """Free the working set of finished (or newly allocated) request rows.
@@ -568,7 +557,7 @@ class OasisSparseKV:
         rows' slots or reads their host pages when they are reused."""
         self.pipe.drain()
         self.ws.reset_rows(rows)
-        self._pred_seq[:, torch.as_tensor(rows, dtype=torch.int64, device=self.device)] = -1
+        self._pred_seq[torch.as_tensor(rows, dtype=torch.int64, device=self.device)] = -1
         if self._pred_host is not None:
             for r in torch.as_tensor(rows).reshape(-1).tolist():
                 self._pred_host.pop(int(r), None)

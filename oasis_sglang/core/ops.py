@@ -1,4 +1,4 @@
-"""The hot operations of OasisKV (five) behind one interface, with their torch references.
+"""The hot operations of OasisKV (seven) behind one interface, with their torch references.
 
 ``TorchKVOps`` is the reference implementation (any device; the path used on CPU).
 ``oasis_sglang.kernels.TritonKVOps`` implements the same methods as Triton kernels (CUDA, or
@@ -21,6 +21,7 @@ import torch
 
 from .attention import decode_attention, gather_working_set
 from .selection import quest_scores, select_blocks
+from .working_set import plan_admissions
 
 
 def block_pages(req_to_token: torch.Tensor, rows: torch.Tensor, nb: int, block_size: int) -> torch.Tensor:
@@ -74,7 +75,7 @@ class BaseKVOps:
         """
         raise NotImplementedError
 
-    def copy_blocks(self, dst_k, dst_v, dst_idx, src_k, src_v, src_idx) -> None:
+    def copy_blocks(self, dst_k, dst_v, dst_idx, src_k, src_v, src_idx, counts=None) -> None:
         """``dst[dst_idx[i]] = src[src_idx[i]]`` for K and V pieces (one piece = one (KV head, block)).
 
         Args:
@@ -82,6 +83,57 @@ class BaseKVOps:
                 either side may be host memory (H2D gather into the working set, or D2H write-back).
             dst_idx / src_idx: ``[M]`` int64 piece indices. Entries with ``dst_idx < 0`` are
                 skipped (fixed-size, sync-free admission lists); the others must be distinct.
+            counts: optional ``[N]`` int32: the lists are ``N`` rows of ``M / N`` entries (as
+                ``plan_transfer`` writes them) and only the first ``counts[n]`` entries of row
+                ``n`` are read (the kernel then never scans the dead tail of a row).
+        """
+        raise NotImplementedError
+
+    def plan_transfer(self, ids, last_used, rows, wanted, forced, step, fetch_cap, seq, req_to_token,
+                      block_size: int, num_pages: int, counters, skip_row: int | None = None):
+        """Stage (b) of the pipeline and the index work of stage (c), for one layer: capped
+        eviction against the resident set, then the host-tier pieces to copy in.
+
+        Args:
+            ids, last_used: ``[R, H, K]`` int64 block table and LRU clock of the layer (updated
+                in place; ``core.working_set.plan_admissions`` gives the rules).
+            rows: ``[B]`` request rows. wanted / forced: ``[B, H, K]`` from ``select_topk``.
+            step: LRU clock value, a 0-dim int64 device tensor (or an int).
+            fetch_cap: evicting admissions per (request, KV head) and step; ``None``: unbounded.
+            seq: ``[B]`` context of the step the admissions serve (incl. its new token): a block
+                starting at ``seq - 1`` or later is admitted empty (no copy; its first token is
+                the step's own).
+            req_to_token: SGLang's ``[R, W]`` table (position -> token location).
+            num_pages: ``P``, pages of the host tier (a host piece is ``h * P + page``).
+            counters: ``[>=3]`` int64 device counters of the layer, incremented in place by
+                (hits, copied blocks, evictions) of the rows other than ``skip_row``.
+            skip_row: a CUDA-graph padding row: planned like any row, but it copies and counts nothing.
+        Returns:
+            ``(dst [B*H, K] int64, src [B*H, K] int64, counts [B*H] int32)``: row ``b * H + h``
+            lists the working-set pieces ``(rows[b] * H + h) * K + slot`` to fill and their host
+            pieces, live copies first in increasing slot order, then ``-1``; ``counts`` the live
+            copies per row (``copy_blocks(..., counts=)`` reads these lists). No host sync.
+        Paper: Methodology, Delta Selection and Capped Eviction.
+        """
+        raise NotImplementedError
+
+    def append_tokens(self, ws_k, ws_v, ids, rows, pos, k, v, host_k, host_v, req_to_token, violations,
+                      counters, skip_row: int | None = None) -> None:
+        """Decode step 5 of one layer: each new token into its resident block's slot, and every
+        block the token completes written back to the host tier (where the full KV cache lives).
+
+        Args:
+            ws_k / ws_v: ``[R, H, K, bs, D/Dv]`` working set of the layer; ids: ``[R, H, K]``.
+            rows, pos: ``[B]`` request rows and token positions. k: ``[B, H, D]``; v: ``[B, H, Dv]``.
+            host_k / host_v: ``[H, P, bs, D/Dv]`` host tier of the layer (pinned on CUDA).
+            req_to_token: ``[R, W]`` (the host page of the completed block: ``loc // bs``).
+            violations: 0-dim int64 device counter, incremented by each (token, KV head) whose
+                block is not resident: that token is written nowhere (an invariant violation;
+                ``WorkingSet.check`` raises on it), and nothing is written back for it.
+            counters: ``[4]`` int64: ``counters[3]`` += blocks written back.
+            skip_row: a CUDA-graph padding row: its tokens are written (to its own slots) but
+                never counted or written back.
+        No host sync; one D2H piece of ``bs * (D + Dv)`` elements per completed (request, KV head).
         """
         raise NotImplementedError
 
@@ -161,9 +213,13 @@ class TorchKVOps(BaseKVOps):
         return select_blocks(scores, (seq + block_size - 1) // block_size, seq // block_size, k,
                              sink_blocks, recent_blocks)
 
-    def copy_blocks(self, dst_k, dst_v, dst_idx, src_k, src_v, src_idx):
+    def copy_blocks(self, dst_k, dst_v, dst_idx, src_k, src_v, src_idx, counts=None):
         """Reference: indexed copy of the live pieces (boolean mask: syncs; the kernel does not)."""
         live = dst_idx >= 0
+        if counts is not None:
+            n = counts.numel()
+            col = torch.arange(dst_idx.numel() // max(n, 1), device=dst_idx.device)
+            live = live & (col[None, :] < counts.to(dst_idx.device).long()[:, None]).reshape(-1)
         dst_idx, src_idx = dst_idx[live], src_idx[live]
         if dst_idx.numel() == 0:
             return
@@ -171,6 +227,54 @@ class TorchKVOps(BaseKVOps):
         di = dst_idx.to(dst_k.device, torch.int64)
         dst_k[di] = src_k[si].to(dst_k.device, dst_k.dtype)
         dst_v[di] = src_v[si].to(dst_v.device, dst_v.dtype)
+
+    def plan_transfer(self, ids, last_used, rows, wanted, forced, step, fetch_cap, seq, req_to_token,
+                      block_size, num_pages, counters, skip_row=None):
+        """Reference: ``core.working_set.plan_admissions`` (sorts and a ``[B, H, K, K]`` match),
+        then the pieces of the copied admissions gathered through ``req_to_token``."""
+        counted = None if skip_row is None else rows != skip_row
+        adm = plan_admissions(ids, last_used, rows, wanted, forced, step, fetch_cap, counted)
+        B, H, K = wanted.shape
+        bs, W = block_size, req_to_token.shape[1]
+        h = torch.arange(H, device=ids.device)[None, :, None]
+        r = rows[:, None, None]
+        blk = adm.block.clamp(min=0)
+        live = adm.mask & (blk * bs < (seq - 1)[:, None, None])
+        if counted is not None:
+            live = live & counted[:, None, None]
+        page = torch.div(req_to_token[r, (blk * bs).clamp(max=W - 1)].long(), bs, rounding_mode="floor")
+        slot = torch.where(live, adm.entry, K)                          # dead admissions to a spare column
+        by_slot = lambda x: torch.full((B, H, K + 1), -1, dtype=torch.int64, device=ids.device).scatter_(  # noqa: E731
+            -1, slot, x.expand(B, H, K))[..., :K]
+        dst_s, src_s = by_slot((r * H + h) * K + adm.entry), by_slot(h * num_pages + page)
+        first = torch.sort((dst_s < 0).to(torch.int8), dim=-1, stable=True).indices   # live first, slot order
+        counters[:3] += torch.stack([adm.hits, live.sum(), adm.evicted])
+        return (torch.gather(dst_s, -1, first).view(B * H, K), torch.gather(src_s, -1, first).view(B * H, K),
+                (dst_s >= 0).sum(-1).view(B * H).to(torch.int32))
+
+    def append_tokens(self, ws_k, ws_v, ids, rows, pos, k, v, host_k, host_v, req_to_token, violations,
+                      counters, skip_row=None):
+        """Reference: find the slot by a ``[B, H, K]`` match, masked scatter, then ``copy_blocks`` D2H."""
+        R, H, K, bs, D = ws_k.shape
+        P = host_k.shape[1]
+        blk = (pos // bs)[:, None, None]
+        hit = ids[rows] == blk                                          # [B, H, K]
+        ok = hit.any(-1)                                                # [B, H]; False breaks the invariant
+        real = torch.ones_like(rows, dtype=torch.bool) if skip_row is None else rows != skip_row
+        violations += (~ok & real[:, None]).sum()                       # checked on the host later: no sync
+        e = hit.long().argmax(-1)                                       # [B, H]
+        off = (pos % bs)[:, None].expand_as(e)
+        r = rows[:, None].expand_as(e)
+        h = torch.arange(H, device=e.device)[None, :].expand_as(e)
+        ws_k[r, h, e, off] = torch.where(ok[..., None], k.to(ws_k.dtype), ws_k[r, h, e, off])   # never a wrong slot
+        ws_v[r, h, e, off] = torch.where(ok[..., None], v.to(ws_v.dtype), ws_v[r, h, e, off])
+        done = ok & ((pos % bs) == bs - 1)[:, None] & real[:, None]     # [B, H] blocks completed
+        page = torch.div(req_to_token[rows, pos].long(), bs, rounding_mode="floor")
+        src = ((r * H + h) * K + e).reshape(-1)
+        dst = torch.where(done, h * P + page[:, None], -1).reshape(-1)
+        self.copy_blocks(host_k.view(-1, bs * D), host_v.view(-1, bs * ws_v.shape[-1]), dst,
+                         ws_k.view(-1, bs * D), ws_v.view(-1, bs * ws_v.shape[-1]), src)
+        counters[3] += done.sum()
 
     def sparse_decode_attention(self, q, ws_k, ws_v, ids, rows, seq_lens, scale, k_extra=None,
                                 v_extra=None, return_lse=False):

@@ -82,94 +82,73 @@ class WorkingSet:
 
     def plan(self, layer: int, rows: torch.Tensor, wanted: torch.Tensor, forced: torch.Tensor,
              step, fetch_cap: int | None, counted: torch.Tensor | None = None) -> Admission:
-        """Decide admissions and evictions for one layer and update the block table.
+        """Decide admissions and evictions for one layer and update its block table
+        (:func:`plan_admissions` on ``ids[layer]`` / ``last_used[layer]``)."""
+        return plan_admissions(self.ids[layer], self.last_used[layer], rows, wanted, forced, step, fetch_cap, counted)
 
-        Wanted blocks already resident are hits (no traffic). Missing ones are admitted in
-        priority order into free slots first, then into slots of resident blocks outside
-        ``wanted``, least recently selected first (LRU). Admissions that evict are capped at
-        ``fetch_cap`` per (request, KV head) unless the block is forced (sink / recent:
-        always resident). Every slot ends up holding distinct blocks.
 
-        Args:
-            rows: ``[B]`` request rows. wanted / forced: ``[B, H, K]`` from ``select_blocks``.
-            step: monotonically increasing step counter (LRU clock): an int, or a 0-dim int64
-                device tensor (no host value needed, so the call can be captured in a CUDA graph).
-            counted: ``[B]`` bool, the rows whose hits and evictions are counted (default all;
-                CUDA-graph padding rows are not).
-        Returns:
-            The admissions to copy in (``Admission``); the table already points at them.
-            Runs without host synchronisation.
-        """
-        ids = self.ids[layer]
-        held = ids[rows]                                            # [B, H, K]
-        B, H, K = held.shape
-        assert wanted.shape == (B, H, K), (wanted.shape, held.shape)
-        valid_w = wanted >= 0
-        # one [B, H, K, K] match of wanted (rows) against held (columns) gives both directions
-        match = (wanted[..., :, None] == held[..., None, :]) & valid_w[..., :, None] & (held >= 0)[..., None, :]
-        in_held = match.any(-1)                                     # wanted block already resident (a hit)
-        keep = match.any(-2)                                        # resident block still wanted
-        missing = valid_w & ~in_held
-        free = held < 0
-        evictable = (held >= 0) & ~keep
-        n_free = free.sum(-1, keepdim=True)
-        n_forced_missing = (missing & forced).sum(-1, keepdim=True)
-        rank = missing.long().cumsum(-1) - 1                       # priority rank among missing
-        if fetch_cap is None:
-            limit = torch.full_like(n_free, K)
-        else:
-            limit = torch.maximum(n_free + fetch_cap, n_forced_missing)
-        admitted = missing & (rank < limit)
-        n_admit = admitted.sum(-1, keepdim=True)
-        # destinations: free slots (in slot order) then evictable by LRU, then untouchable
-        big = torch.iinfo(torch.int64).max
-        dkey = torch.where(free, torch.full_like(held, -1), torch.where(evictable, self.last_used[layer][rows], torch.full_like(held, big)))
-        dest_order = torch.sort(dkey, dim=-1, stable=True).indices
-        src_order = torch.sort((~admitted).to(torch.int8), dim=-1, stable=True).indices
-        i = torch.arange(K, device=held.device)[None, None, :]
-        pair = i < n_admit                                          # [B, H, K] live admissions
-        blocks = torch.gather(wanted, -1, src_order)                # admitted blocks first, in priority order
-        was_free = torch.gather(free, -1, dest_order)
-        # scatter the live admissions into their slots (dead ones into a spare column K)
-        slot = torch.where(pair, dest_order, K)
-        new_held = torch.cat([held, held[..., :1]], -1)
-        new_held.scatter_(-1, slot, torch.where(pair, blocks, -1))
-        new_held = new_held[..., :K]
-        # LRU clock: every slot whose block is wanted this step is "used" now: the kept ones and
-        # the admitted ones (admissions only land in free or evictable slots, never in kept ones)
-        filled = torch.zeros((B, H, K + 1), dtype=torch.bool, device=held.device).scatter_(-1, slot, pair)[..., :K]
-        used = keep | filled
-        ids[rows] = new_held
-        self.last_used[layer][rows] = torch.where(used, step, self.last_used[layer][rows])
-        c = None if counted is None else counted[:, None, None]
-        return Admission(mask=pair, entry=dest_order, block=blocks,
-                         evicted=(pair & ~was_free if c is None else pair & ~was_free & c).sum(),
-                         hits=(in_held if c is None else in_held & c).sum())
+def plan_admissions(ids: torch.Tensor, last_used: torch.Tensor, rows: torch.Tensor, wanted: torch.Tensor,
+                    forced: torch.Tensor, step, fetch_cap: int | None, counted: torch.Tensor | None = None) -> Admission:
+    """Decide admissions and evictions for one layer and update the block table (the torch
+    reference of stage (b); paper: Methodology, Delta Selection and Capped Eviction).
 
-    def write_token(self, layer: int, rows: torch.Tensor, pos: torch.Tensor, k: torch.Tensor,
-                    v: torch.Tensor, skip_row: int | None = None) -> torch.Tensor:
-        """Write newly decoded tokens into their (resident) block's slot.
+    Wanted blocks already resident are hits (no traffic). Missing ones are admitted in
+    priority order into free slots first, then into slots of resident blocks outside
+    ``wanted``, least recently selected first (LRU). Admissions that evict are capped at
+    ``fetch_cap`` per (request, KV head) unless the block is forced (sink / recent:
+    always resident). Every slot ends up holding distinct blocks.
 
-        Args:
-            rows, pos: ``[B]`` request rows and token positions. k: ``[B, H, D]``; v: ``[B, H, Dv]``.
-            skip_row: a padding row (CUDA-graph batches are padded with it): its tokens are
-                written like any other but never counted as violations.
-        Returns:
-            ``[B, H]`` int64 slot entry that holds each token's block.
-        A token whose block is not resident (invariant broken) is not written anywhere and is
-        counted in ``violations`` (a device counter; ``check()`` raises on it), so the check
-        costs no host synchronisation.
-        """
-        blk = (pos // self.bs)[:, None, None]
-        hit = self.ids[layer][rows] == blk                          # [B, H, K]
-        ok = hit.any(-1)                                            # [B, H]; False breaks the invariant
-        bad = ~ok if skip_row is None else ~ok & (rows != skip_row)[:, None]
-        self.violations += bad.sum()                                # checked on the host later: no sync here
-        e = hit.long().argmax(-1)                                   # [B, H]
-        off = (pos % self.bs)[:, None].expand_as(e)
-        r = rows[:, None].expand_as(e)
-        h = torch.arange(self.H, device=e.device)[None, :].expand_as(e)
-        wk, wv = self.k[layer], self.v[layer]
-        wk[r, h, e, off] = torch.where(ok[..., None], k.to(wk.dtype), wk[r, h, e, off])   # never a wrong slot
-        wv[r, h, e, off] = torch.where(ok[..., None], v.to(wv.dtype), wv[r, h, e, off])
-        return e
+    Args:
+        rows: ``[B]`` request rows. wanted / forced: ``[B, H, K]`` from ``select_blocks``.
+        step: monotonically increasing step counter (LRU clock): an int, or a 0-dim int64
+            device tensor (no host value needed, so the call can be captured in a CUDA graph).
+        counted: ``[B]`` bool, the rows whose hits and evictions are counted (default all;
+            CUDA-graph padding rows are not).
+    Returns:
+        The admissions to copy in (``Admission``); the table already points at them.
+        Runs without host synchronisation.
+    """
+    held = ids[rows]                                            # [B, H, K]
+    B, H, K = held.shape
+    assert wanted.shape == (B, H, K), (wanted.shape, held.shape)
+    valid_w = wanted >= 0
+    # one [B, H, K, K] match of wanted (rows) against held (columns) gives both directions
+    match = (wanted[..., :, None] == held[..., None, :]) & valid_w[..., :, None] & (held >= 0)[..., None, :]
+    in_held = match.any(-1)                                     # wanted block already resident (a hit)
+    keep = match.any(-2)                                        # resident block still wanted
+    missing = valid_w & ~in_held
+    free = held < 0
+    evictable = (held >= 0) & ~keep
+    n_free = free.sum(-1, keepdim=True)
+    n_forced_missing = (missing & forced).sum(-1, keepdim=True)
+    rank = missing.long().cumsum(-1) - 1                       # priority rank among missing
+    if fetch_cap is None:
+        limit = torch.full_like(n_free, K)
+    else:
+        limit = torch.maximum(n_free + fetch_cap, n_forced_missing)
+    admitted = missing & (rank < limit)
+    n_admit = admitted.sum(-1, keepdim=True)
+    # destinations: free slots (in slot order) then evictable by LRU, then untouchable
+    big = torch.iinfo(torch.int64).max
+    dkey = torch.where(free, torch.full_like(held, -1), torch.where(evictable, last_used[rows], torch.full_like(held, big)))
+    dest_order = torch.sort(dkey, dim=-1, stable=True).indices
+    src_order = torch.sort((~admitted).to(torch.int8), dim=-1, stable=True).indices
+    i = torch.arange(K, device=held.device)[None, None, :]
+    pair = i < n_admit                                          # [B, H, K] live admissions
+    blocks = torch.gather(wanted, -1, src_order)                # admitted blocks first, in priority order
+    was_free = torch.gather(free, -1, dest_order)
+    # scatter the live admissions into their slots (dead ones into a spare column K)
+    slot = torch.where(pair, dest_order, K)
+    new_held = torch.cat([held, held[..., :1]], -1)
+    new_held.scatter_(-1, slot, torch.where(pair, blocks, -1))
+    new_held = new_held[..., :K]
+    # LRU clock: every slot whose block is wanted this step is "used" now: the kept ones and
+    # the admitted ones (admissions only land in free or evictable slots, never in kept ones)
+    filled = torch.zeros((B, H, K + 1), dtype=torch.bool, device=held.device).scatter_(-1, slot, pair)[..., :K]
+    used = keep | filled
+    ids[rows] = new_held
+    last_used[rows] = torch.where(used, step, last_used[rows])
+    c = None if counted is None else counted[:, None, None]
+    return Admission(mask=pair, entry=dest_order, block=blocks,
+                     evicted=(pair & ~was_free if c is None else pair & ~was_free & c).sum(),
+                     hits=(in_held if c is None else in_held & c).sum())
