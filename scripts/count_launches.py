@@ -1,0 +1,197 @@
+"""Kernel launches and host syncs of one OasisKV decode step, per sparse layer.
+
+    python scripts/count_launches.py [--batch 4] [--context 300] [--budget 64] [--steps 3]
+        [--kernels triton] [--eager] [--out out/count_launches]
+
+Inside a CUDA graph a launch costs no host time, but each kernel still occupies the GPU for a few
+microseconds however little it does, so at ~34 sparse layers the number of kernels per layer sets
+a floor under the step time. This script counts them for the decode work SGLang captures
+(``write_kv`` + ``decode_attention`` of every sparse layer, in graph mode unless ``--eager``):
+
+* on CUDA: the GPU kernels ``torch.profiler`` records (exact);
+* on CPU (the Triton kernels under ``TRITON_INTERPRET=1``): Triton launches plus the ATen ops
+  that launch a kernel on CUDA (every op except views and allocations), counted with a
+  ``TorchDispatchMode``; host reads of device values (``item`` / ``tolist`` / ``nonzero``) are
+  counted as syncs. The counts do not depend on the sizes, so small ones keep the interpreter quick.
+
+The engine runs the ``previous`` predictor (each layer: summaries, token append + write-back,
+attention, then predict / select / transfer for the next step) with ``--batch`` requests of
+``--context`` tokens. Prints a table (ops by name, per step and per sparse layer) and writes
+``launches.md`` / ``launches.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")      # before anything imports triton
+
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+from oasis_sglang.config import OasisConfig  # noqa: E402
+from oasis_sglang.core import OasisSparseKV  # noqa: E402
+from oasis_sglang.kernels import get_kv_ops  # noqa: E402
+
+NO_KERNEL = {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "lift_fresh",
+             "detach", "alias", "_to_copy_noop", "result_type", "is_pinned", "size", "stride", "sym_size"}
+SYNC = {"_local_scalar_dense", "nonzero", "item", "equal", "is_nonzero"}
+
+
+class _Count(TorchDispatchMode):
+    """ATen ops that would launch a CUDA kernel (views and allocations excluded), and host syncs."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops, self.syncs, self.paused = Counter(), Counter(), 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.paused:
+            return out
+        name = func.overloadpacket.__name__
+        if name in SYNC:
+            self.syncs[name] += 1
+        if name in NO_KERNEL or func.is_view or name.startswith("_local_scalar"):
+            return out
+        if name == "_to_copy" and args and isinstance(args[0], torch.Tensor):
+            dev, dt = (kwargs or {}).get("device"), (kwargs or {}).get("dtype")
+            if (dev is None or torch.device(dev) == args[0].device) and (dt is None or dt == args[0].dtype):
+                return out
+        self.ops[f"aten.{name}"] += 1
+        return out
+
+
+def _patch_interpreter(counter: _Count):
+    """Count Triton launches under the interpreter (and pause the ATen count inside them)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    run = InterpretedFunction.run
+
+    def counted(self, *a, **k):
+        if not k.get("warmup"):
+            counter.ops[f"triton.{self.fn.__name__}"] += 1
+        counter.paused += 1
+        try:
+            return run(self, *a, **k)
+        finally:
+            counter.paused -= 1
+
+    InterpretedFunction.run = counted
+    return lambda: setattr(InterpretedFunction, "run", run)
+
+
+def build(args, dev):
+    H, G, D, bs = args.kv_heads, args.group, args.head_dim, 16
+    B, C, L = args.batch, args.context, args.layers
+    per = C + args.steps + bs
+    cfg = OasisConfig(budget_tokens=args.budget, block_size=bs, fetch_cap=args.fetch_cap, dense_layers=(),
+                      sink_blocks=1, recent_blocks=2, kernels=args.kernels)
+    dt = torch.bfloat16 if dev == "cuda" else torch.float32
+    eng = OasisSparseKV(cfg, L, B * per + bs, B + 1, H, D, D, dt, dev, ops=get_kv_ops(args.kernels),
+                        predictor="previous")
+    rt = torch.zeros((B + 1, per), dtype=torch.int32, device=dev)
+    rt[1:] = (bs + torch.arange(B, device=dev)[:, None] * per + torch.arange(per, device=dev)[None]).int()
+    rows = torch.arange(1, B + 1, device=dev)
+    T = B * C
+    loc = torch.cat([rt[r, :C] for r in range(1, B + 1)]).long()
+    for l in range(L):                    # prefill: host tier, summaries, first step predicted
+        k, v = torch.randn(T, H, D, device=dev, dtype=dt), torch.randn(T, H, D, device=dev, dtype=dt)
+        eng.write_kv(l, loc, k, v)
+        eng.extend_attention(l, torch.randn(T, H * G, D, device=dev, dtype=dt), rows, torch.zeros(B, dtype=torch.int64, device=dev),
+                             torch.full((B,), C, device=dev), rt, None, k_new=k, v_new=v)
+    return eng, rt, rows, dt
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--context", type=int, default=300, help="prompt tokens per request")
+    ap.add_argument("--budget", type=int, default=64, help="working-set tokens per (layer, KV head)")
+    ap.add_argument("--fetch-cap", type=int, default=8)
+    ap.add_argument("--layers", type=int, default=2, help="sparse layers (counts are reported per layer)")
+    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--group", type=int, default=4, help="query heads per KV head")
+    ap.add_argument("--head-dim", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=3, help="decode steps counted (the counts of each are the same)")
+    ap.add_argument("--kernels", choices=["triton", "torch"], default="triton")
+    ap.add_argument("--eager", action="store_true", help="eager steps (host check each step) instead of graph mode")
+    ap.add_argument("--out", default="out/count_launches")
+    args = ap.parse_args()
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    eng, rt, rows, dt = build(args, dev)
+    B, L, H, D = args.batch, args.layers, args.kv_heads, args.head_dim
+    eng.graph_mode = not args.eager
+    eng.padding_row = 0 if not args.eager else None
+    seq = torch.full((B,), args.context, device=dev)
+
+    def inputs():
+        """The next step's inputs, made outside the counted region (the graph runner's static buffers)."""
+        nonlocal seq
+        seq = seq + 1
+        x = [(torch.randn(B, H * args.group, D, device=dev, dtype=dt), torch.randn(B, H, D, device=dev, dtype=dt),
+              torch.randn(B, H, D, device=dev, dtype=dt)) for _ in range(L)]
+        return x, seq, rt[rows, seq - 1].long(), int(seq.max()), rows.tolist(), seq.tolist()
+
+    def step(x):
+        qkv, sq, loc, mx, rows_h, seq_h = x
+        for l, (q, k, v) in enumerate(qkv):
+            eng.write_kv(l, loc, k, v, decode=True)
+            eng.decode_attention(l, q, k, v, rows, sq, rt, None, mx, rows_host=rows_h, seq_lens_host=seq_h)
+
+    step(inputs())                                    # warm-up (first step, compiles on CUDA)
+    per_step = []
+    for s in range(args.steps):
+        x = inputs()
+        if dev == "cuda":
+            from torch.profiler import ProfilerActivity, profile
+
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                step(x)
+                torch.cuda.synchronize()
+            ops = Counter(e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+                          and not e.name.startswith(("Memcpy", "Memset")))
+            per_step.append((ops, Counter()))
+        else:
+            c = _Count()
+            undo = _patch_interpreter(c) if args.kernels == "triton" else (lambda: None)
+            try:
+                with c:
+                    step(x)
+            finally:
+                undo()
+            per_step.append((c.ops, c.syncs))
+    ops, syncs = per_step[-1]
+    total = sum(ops.values())
+    mode = "eager" if args.eager else "graph mode"
+    lines = [f"# Kernel launches per OasisKV decode step ({dev}, {args.kernels} kernels, {mode})", "",
+             f"`python scripts/count_launches.py {' '.join(os.sys.argv[1:])}`: batch {B}, {L} sparse layers, "
+             f"`previous` predictor, fetch_cap {args.fetch_cap}.", "",
+             f"**{total / L:.1f} kernel launches per sparse layer** ({total} per step), "
+             f"{sum(syncs.values())} host syncs per step.", "",
+             "| op | per step | per sparse layer |", "|---|---|---|"]
+    for name, n in ops.most_common():
+        lines.append(f"| {name} | {n} | {n / L:.1f} |")
+    if syncs:
+        lines += ["", "Host syncs: " + ", ".join(f"{k} x{v}" for k, v in syncs.items())]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "launches.md").write_text(text)
+    (out / "launches.json").write_text(json.dumps({
+        "device": dev, "kernels": args.kernels, "mode": mode, "batch": B, "sparse_layers": L,
+        "per_step": total, "per_sparse_layer": total / L, "ops": dict(ops), "syncs": dict(syncs),
+        "steady": all(p[0] == ops for p in per_step)}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
