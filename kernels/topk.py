@@ -131,6 +131,14 @@ def topk_from_keys(keys: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tens
     B, H, NB = keys.shape
     kk = min(k, NB)
     vals, idx = torch.topk(keys, kk, dim=-1, largest=True, sorted=True)
+    if k > 4096:                    # one program holds a row of k keys: beyond that, elementwise ops
+        hi = vals >> 32
+        wanted = torch.where(hi > NEG_INF_KEY32, idx, torch.full_like(idx, -1))
+        forced = hi == POS_INF_KEY32
+        if kk < k:
+            wanted = torch.cat([wanted, wanted.new_full((B, H, k - kk), -1)], -1)
+            forced = torch.cat([forced, forced.new_zeros((B, H, k - kk))], -1)
+        return wanted, forced
     wanted = torch.empty((B, H, k), dtype=torch.int64, device=keys.device)
     forced = torch.empty((B, H, k), dtype=torch.bool, device=keys.device)
     if B * H:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from oasis_sglang.core.ops import BaseKVOps
+from oasis_sglang.core.ops import BaseKVOps, TorchKVOps
 
 from .append_tokens import append_tokens
 from .copy_blocks import copy_blocks
@@ -13,8 +13,19 @@ from .topk import select_topk
 from .write_kv import write_kv
 
 
+# largest working set (blocks per request, layer and KV head) the one-program-per-(request, KV head)
+# kernels take; larger budgets run the torch references of the same operations (more launches).
+# plan_transfer holds [K, K] tiles in registers: K = 256 is a 4,096-token budget of 16-token blocks
+MAX_FUSED_PLAN_K = 256
+MAX_FUSED_APPEND_K = 4096
+
+
 class TritonKVOps(BaseKVOps):
-    """Triton kernels for the OasisKV operations (CUDA; CPU under ``TRITON_INTERPRET=1``)."""
+    """Triton kernels for the OasisKV operations (CUDA; CPU under ``TRITON_INTERPRET=1``).
+
+    ``plan_transfer`` and ``append_tokens`` fall back to the torch references (``TorchKVOps``,
+    also capturable: no host sync) above ``MAX_FUSED_PLAN_K`` / ``MAX_FUSED_APPEND_K`` blocks.
+    """
 
     name = "triton"
 
@@ -41,12 +52,18 @@ class TritonKVOps(BaseKVOps):
     def plan_transfer(self, ids, last_used, rows, wanted, forced, step, fetch_cap, seq, req_to_token,
                       block_size, num_pages, counters, skip_row=None):
         """See :meth:`BaseKVOps.plan_transfer` (``kernels.plan_transfer``: one launch)."""
+        if ids.shape[-1] > MAX_FUSED_PLAN_K:
+            return TorchKVOps.plan_transfer(self, ids, last_used, rows, wanted, forced, step, fetch_cap, seq,
+                                            req_to_token, block_size, num_pages, counters, skip_row)
         return plan_transfer(ids, last_used, rows, wanted, forced, step, fetch_cap, seq, req_to_token, block_size,
                              num_pages, counters, skip_row)
 
     def append_tokens(self, ws_k, ws_v, ids, rows, pos, k, v, host_k, host_v, req_to_token, violations,
                       counters, skip_row=None):
         """See :meth:`BaseKVOps.append_tokens` (``kernels.append_tokens``: one launch)."""
+        if ids.shape[-1] > MAX_FUSED_APPEND_K:
+            return TorchKVOps.append_tokens(self, ws_k, ws_v, ids, rows, pos, k, v, host_k, host_v, req_to_token,
+                                            violations, counters, skip_row)
         append_tokens(ws_k, ws_v, ids, rows, pos, k, v, host_k, host_v, req_to_token, violations, counters, skip_row)
 
     def sparse_decode_attention(self, q, ws_k, ws_v, ids, rows, seq_lens, scale, k_extra=None,

@@ -304,6 +304,32 @@ def test_plan_transfer_handles_an_int_step_and_no_cap(seed):
     assert ctr.tolist() == [0, 5, 0, 0]
 
 
+def test_large_working_sets_take_the_reference_paths(seed, monkeypatch):
+    """Above the fused kernels' limits TritonKVOps runs the torch references (same results); the
+    top-K key decode of more than 4,096 blocks runs elementwise ops."""
+    import oasis_sglang.kernels.triton_ops as tops
+
+    monkeypatch.setattr(tops, "MAX_FUSED_PLAN_K", 4)
+    monkeypatch.setattr(tops, "MAX_FUSED_APPEND_K", 4)
+    ops = get_kv_ops("triton")
+    R, H, K, bs = 3, 2, 6, 4
+    rtt, P = layout([96] * R, bs)
+    rtt = rtt.to(DEV)
+    rows, seq = torch.tensor([2, 1], device=DEV), torch.tensor([50, 77], device=DEV)
+    wanted, forced = select_blocks(torch.randn(2, H, 24, device=DEV), (seq + 3) // 4, seq // 4, K, 1, 2)
+    outs = []
+    for fn in (REF.plan_transfer, ops.plan_transfer):
+        ids = torch.full((R, H, K), -1, dtype=torch.int64, device=DEV)
+        ctr = torch.zeros(4, dtype=torch.int64, device=DEV)
+        outs.append((*fn(ids, torch.zeros_like(ids), rows, wanted, forced, 3, 1, seq, rtt, bs, P, ctr), ids, ctr))
+    for a, b in zip(*outs):
+        assert torch.equal(a.cpu(), b.cpu())
+    lens = [4100 * 16 + 3]
+    args, nb_max = _topk_case(lens, 16, H=1, G=1, D=8, integer=True, nb_pad=0)
+    got, want = select_topk(*args, 16, 1, 2, nb_max, 4100), REF.select_topk(*args, 16, 1, 2, nb_max, 4100)
+    assert torch.equal(got[0].cpu(), want[0].cpu()) and torch.equal(got[1].cpu(), want[1].cpu())
+
+
 # ---- 7. decoded tokens into the working set + write-back ------------------------------------------
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_append_tokens_equals_reference_exactly(seed, dtype):
