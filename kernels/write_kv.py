@@ -119,8 +119,8 @@ def write_kv(host_k, host_v, kmin, kmax, loc, k, v, block_size: int, one_token_e
         check_range(loc, 0, P * bs, "loc (token locations)")
     dev = kmin.device
     if one_token_each:              # the kernel splits the locations itself: no index ops before it
-        loc_d = loc.to(dev)
-        page = off = src = length = loc_d
+        loc_d = loc.to(dev).contiguous()      # the kernel reads it with unit stride (a verify batch
+        page = off = src = length = loc_d   # passes out_cache_loc.view(-1, 2)[:, 0])
     else:
         page, off, src, length = segments(loc.to(dev), bs, one_token_each)
     grid = (page.numel(), H)

@@ -89,6 +89,24 @@ def test_write_kv_matches_reference_exactly(seed, dtype, bs):
             assert torch.equal(kmin[p].cpu(), hk[:, p].amin(1).cpu()) and torch.equal(kmax[p].cpu(), hk[:, p].amax(1).cpu())
 
 
+def test_write_kv_decode_takes_a_strided_location_view(seed):
+    """A verify batch writes the normal rows' tokens through ``out_cache_loc.view(-1, 2)[:, 0]``."""
+    H, D, bs, B = 2, 16, 8, 5
+    P = 4 * B
+    loc2 = (torch.randperm(P)[:2 * B] * bs + torch.randint(0, bs, (2 * B,))).view(B, 2).to(DEV)
+    k, v = torch.randn(2 * B, H, D).to(DEV).view(B, 2, H, D), torch.randn(2 * B, H, D).to(DEV).view(B, 2, H, D)
+    got = [torch.zeros(H, P, bs, D), torch.zeros(H, P, bs, D), torch.zeros(P, H, D).to(DEV), torch.zeros(P, H, D).to(DEV)]
+    want = [t.clone() for t in got]
+    if CUDA:
+        got[0], got[1] = got[0].pin_memory(), got[1].pin_memory()
+    write_kv(*got, loc2[:, 0], k[:, 0], v[:, 0], bs, one_token_each=True)
+    REF.write_kv(*want, loc2[:, 0].contiguous(), k[:, 0].contiguous(), v[:, 0].contiguous(), bs)
+    if CUDA:
+        torch.cuda.synchronize()
+    for a, b in zip(got, want):
+        assert torch.equal(a.cpu(), b.cpu())
+
+
 def test_segments_split_runs_at_block_and_request_boundaries():
     loc = torch.tensor([5, 6, 7, 8, 9, 40, 41, 2, 3])
     page, off, src, ln = segments(loc, 4)
