@@ -94,6 +94,7 @@ def append_tokens(ws_k, ws_v, ids, rows, pos, k, v, host_k, host_v, req_to_token
     assert k.stride(2) == 1 and v.stride(2) == 1 and req_to_token.stride(1) == 1
     assert BS & (BS - 1) == 0, "block size must be a power of two"
     dev = ids.device
+    rows, pos = rows.contiguous(), pos.contiguous()          # read with unit stride (no-ops when they are)
     for t in (ws_k, ws_v, rows, pos, k, v, req_to_token, violations, counters):
         assert t.device == dev, "append_tokens: every device tensor must be on the working set's device"
     assert violations.dtype == counters.dtype == torch.int64 and counters.numel() >= 4

@@ -123,6 +123,7 @@ def plan_transfer(ids, last_used, rows, wanted, forced, step, fetch_cap, seq, re
     assert ids.stride(2) == 1 and last_used.stride() == ids.stride() and wanted.is_contiguous() and forced.is_contiguous()
     assert rows.shape == seq.shape == (B,) and req_to_token.stride(1) == 1
     dev = ids.device
+    rows, seq = rows.contiguous(), seq.contiguous()          # read with unit stride (no-ops when they are)
     for t in (last_used, rows, wanted, forced, seq, req_to_token, counters):
         assert t.device == dev, "plan_transfer: every tensor must be on the working set's device"
     assert counters.dtype == torch.int64 and counters.numel() >= 3 and counters.is_contiguous()
