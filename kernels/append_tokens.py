@@ -46,7 +46,8 @@ def _append_tokens_kernel(WsK, WsV, Ids, Rows, Pos, Kn, Vn, HostK, HostV, ReqToT
     slot = tl.min(tl.where(held == blk, e, BLOCK_K), axis=0)          # first slot holding the block
     ok = slot < BLOCK_K
     real = row != skip_row
-    tl.atomic_add(Violations, ((~ok) & real).to(tl.int64))
+    bad = (~ok) & real
+    tl.atomic_add(Violations, bad.to(tl.int64), mask=bad)     # masked: no atomic traffic when 0
     slot64 = tl.minimum(slot, K - 1).to(tl.int64)
     t = tl.arange(0, BS)
     d = tl.arange(0, BLOCK_D)
@@ -72,7 +73,7 @@ def _append_tokens_kernel(WsK, WsV, Ids, Rows, Pos, Kn, Vn, HostK, HostV, ReqToT
              kb.to(HostK.dtype.element_ty), mask=done & dm[None, :])
     tl.store(HostV + h * stride_hv_h + page * (BS * DV) + t[:, None] * DV + dv[None, :],
              vb.to(HostV.dtype.element_ty), mask=done & dvm[None, :])
-    tl.atomic_add(Counters + 3, done.to(tl.int64))
+    tl.atomic_add(Counters + 3, done.to(tl.int64), mask=done)
 
 
 def append_tokens(ws_k, ws_v, ids, rows, pos, k, v, host_k, host_v, req_to_token, violations, counters,

@@ -72,8 +72,10 @@ def copy_blocks(dst_k, dst_v, dst_idx, src_k, src_v, src_idx, programs: int = -1
     ``programs``: grid size; ``0`` launches one program per piece (fastest alone), a smaller
     grid loops over the pieces so a copy that overlaps compute on another stream holds fewer
     SM slots (a zero-copy kernel keeps its SM while it waits on the link); ``-1`` (default):
-    two per SM, the best of 16 / 64 / 264 / one-per-piece measured on the H200 for an
-    admission copy overlapping a decode step (docs/benchmarks.md).
+    one per two SMs (66 on the H200). On the H200 (docs/benchmarks.md, 2026-12-01) 64 programs
+    beat 32 and two per SM (264) for admission copies overlapping a decode step in a CUDA
+    graph: 3.30 / 3.53 / 3.79 ms per 8-layer step at fetch_cap 8 and 2.63 / 2.64 / 2.80 ms at
+    fetch_cap 2 (fewer programs in flight over PCIe slow the attention kernels less).
 
     ``counts``: ``[N]`` int32, the lists are ``N`` rows (``plan_transfer``'s output): only the
     first ``counts[n]`` entries of row ``n`` are read, so the dead tail of a row costs nothing;
@@ -101,7 +103,7 @@ def copy_blocks(dst_k, dst_v, dst_idx, src_k, src_v, src_idx, programs: int = -1
         check_range(src_idx[live], 0, src_k.shape[0], "src_idx")
     PK, PV = dst_k.shape[1], dst_v.shape[1]
     if programs < 0:
-        programs = 2 * num_sms(dev)
+        programs = max(1, num_sms(dev) // 2)
     if counts is not None:
         N = counts.numel()
         assert N > 0 and M % N == 0 and counts.dtype == torch.int32 and counts.device == dev, \

@@ -5,6 +5,11 @@ Math (Quest Sec. 3; paper: Methodology, Look-ahead Attention): for query row ``b
 ``req_to_token``)::
 
     u[b, h, j] = max_g sum_d max(q[b, g, d] * kmin[p, h, d], q[b, g, d] * kmax[p, h, d])
+               = max_g (q+[b, g] . kmax[p, h] + q-[b, g] . kmin[p, h])     (kmin <= kmax)
+
+with ``q+ = q`` where ``q >= 0`` else 0 and ``q- = q`` where ``q <= 0`` else 0 (NaN kept in both), so
+each tile is two small matrix products ``[BLOCK_N, D] x [D, G]`` on the tensor cores instead of
+``4 G`` elementwise passes (the elementwise form was compute-bound on the H200 at ~40% of HBM).
 
 Sink blocks (``j < sink``) and recent blocks (``j >= nblocks - recent``) score ``+inf``; other
 complete blocks their bound (NaN as ``-3e38``, infinities clamped to the largest finite float, so
@@ -13,7 +18,8 @@ The kernel writes one int64 key per block: the score's order-preserving 32-bit i
 high half and ``2**32 - 1 - j`` in the low half, so all keys are distinct, a larger key means a
 higher score or, on a tie, a lower block id, and ``torch.topk`` on the keys returns exactly the
 reference's stable order. One program per (query row, KV head, tile of blocks) reads each
-candidate block's min and max rows once (contiguous ``D`` elements) for all ``G`` query heads;
+candidate block's min and max rows once (contiguous ``D`` elements) for all ``G`` query heads
+(tiles past a row's complete blocks read nothing);
 only candidate blocks' summaries are read: ``2 * H * D * e`` bytes per complete block (``2 / bs`` of its KV).
 Reference: ``oasis_sglang.core.ops.TorchKVOps.select_topk``.
 """
@@ -26,7 +32,7 @@ import triton.language as tl
 
 from oasis_sglang.core.ops import TorchKVOps
 
-from ._common import check_range, checks_enabled, next_pow2
+from ._common import check_range, checks_enabled, interpreting, next_pow2
 
 reference = TorchKVOps().select_topk
 
@@ -38,8 +44,8 @@ NEG_INF_KEY32 = -0x00800000 ^ 0x7FFFFFFF          # image of -inf (bits 0xFF8000
 def _score_kernel(Q, Kmin, Kmax, ReqToToken, Rows, SeqLens, Keys,
                   stride_qb, stride_qh, stride_sp, stride_rt, stride_kb, stride_kh,
                   H, NB, sink, recent,
-                  G: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                  G: tl.constexpr, GP: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_F32: tl.constexpr):
     pid = tl.program_id(0)
     b = pid // H
     h = pid % H
@@ -51,24 +57,35 @@ def _score_kernel(Q, Kmin, Kmax, ReqToToken, Rows, SeqLens, Keys,
     inctx = j < nblk
     forced = inctx & ((j < sink) | (j >= nblk - recent))
     cand = (j < ncomp) & (~forced)
-    tok = tl.load(ReqToToken + row * stride_rt + j.to(tl.int64) * BS, mask=cand, other=0)
-    page = (tok // BS).to(tl.int64)
-    d = tl.arange(0, BLOCK_D)
-    dm = d < D
-    srow = page[:, None] * stride_sp + h * D + d[None, :]      # one contiguous D-row per block
-    sm = cand[:, None] & dm[None, :]
-    lo = tl.load(Kmin + srow, mask=sm, other=0.0).to(tl.float32)
-    hi = tl.load(Kmax + srow, mask=sm, other=0.0).to(tl.float32)
     score = tl.full((BLOCK_N,), float("-inf"), tl.float32)
-    qbase = Q + b.to(tl.int64) * stride_qb + (h * G) * stride_qh
-    for g in tl.static_range(G):                               # GQA: max over the group's bounds
-        qv = tl.load(qbase + g * stride_qh + d, mask=dm, other=0.0).to(tl.float32)
-        a = qv[None, :] * lo
-        c = qv[None, :] * hi
-        # NaN propagates as in the torch reference (compiled tl.maximum returns the non-NaN operand)
-        m = tl.where((a != a) | (c != c), float("nan"), tl.maximum(a, c))
-        u = tl.sum(m, axis=1)
-        score = tl.where((u != u) | (score != score), float("nan"), tl.maximum(score, u))
+    if tl.program_id(1) * BLOCK_N < ncomp:
+        # a tile past the complete blocks (a CUDA-graph grid spans req_to_token's width, often
+        # 2-3x the longest context) reads and computes nothing: its keys are forced / absent
+        tok = tl.load(ReqToToken + row * stride_rt + j.to(tl.int64) * BS, mask=cand, other=0)
+        page = (tok // BS).to(tl.int64)
+        d = tl.arange(0, BLOCK_D)
+        dm = d < D
+        srow = page[:, None] * stride_sp + h * D + d[None, :]      # one contiguous D-row per block
+        sm = cand[:, None] & dm[None, :]
+        lo = tl.load(Kmin + srow, mask=sm, other=0.0)               # [BLOCK_N, BLOCK_D]
+        hi = tl.load(Kmax + srow, mask=sm, other=0.0)
+        g = tl.arange(0, GP)
+        gm = g < G
+        qt = tl.load(Q + b.to(tl.int64) * stride_qb + (h * G + g[:, None]) * stride_qh + d[None, :],
+                     mask=gm[:, None] & dm[None, :], other=0.0)     # [GP, BLOCK_D], the group's rows
+        # sign split: sum_d max(q m, q M) = q+ . M + q- . m (m <= M); NaN stays in both halves
+        qp = tl.where(qt < 0, 0.0, qt)
+        qn = tl.where(qt > 0, 0.0, qt)
+        if DOT_F32:
+            u = tl.dot(hi.to(tl.float32), tl.trans(qp.to(tl.float32)), input_precision="ieee")
+            u = tl.dot(lo.to(tl.float32), tl.trans(qn.to(tl.float32)), u, input_precision="ieee")
+        else:
+            u = tl.dot(hi, tl.trans(qp.to(hi.dtype)))
+            u = tl.dot(lo, tl.trans(qn.to(lo.dtype)), u)             # [BLOCK_N, GP] fp32
+        u = tl.where(gm[None, :], u, float("-inf"))
+        # GQA: max over the group; NaN propagates as in the torch reference (compiled tl.max drops it)
+        isnan = tl.max((u != u).to(tl.int32), axis=1) > 0
+        score = tl.where(isnan, float("nan"), tl.max(u, axis=1))
     score = score + 0.0                                          # -0.0 -> +0.0
     score = tl.where(score != score, -3.0e38, score)             # NaN -> -3e38, +-inf -> +-FLT_MAX:
     score = tl.minimum(tl.maximum(score, -3.4028234663852886e38), 3.4028234663852886e38)  # forced stay first
@@ -80,9 +97,12 @@ def _score_kernel(Q, Kmin, Kmax, ReqToToken, Rows, SeqLens, Keys,
 
 
 def block_keys(q, kmin, kmax, req_to_token, rows, seq_lens, block_size: int, sink_blocks: int,
-               recent_blocks: int, nb_max: int, block_n: int = 32, num_warps: int = 8) -> torch.Tensor:
+               recent_blocks: int, nb_max: int, block_n: int = 64, num_warps: int = 4) -> torch.Tensor:
     """Selection keys ``[B, H, nb_max]`` int64 (see module docstring). Arguments as ``select_topk``;
-    ``block_n`` blocks per program and ``num_warps`` are launch parameters (scripts/bench_kernels.py).
+    ``block_n`` (>= 16) blocks per program and ``num_warps`` are launch parameters
+    (scripts/bench_kernels.py). The two products run on the tensor cores in the summaries' dtype
+    (bf16 / fp16, fp32 accumulation) or, for fp32 summaries or a query of another dtype, in
+    IEEE fp32.
 
     Raises:
         AssertionError: shapes, strides or dtypes do not match.
@@ -95,6 +115,7 @@ def block_keys(q, kmin, kmax, req_to_token, rows, seq_lens, block_size: int, sin
     assert rows.shape == seq_lens.shape == (B,) and rows.device == seq_lens.device == q.device == kmin.device
     assert req_to_token.device == q.device
     G = Hq // H
+    assert block_n >= 16 and block_n & (block_n - 1) == 0, f"block_n must be a power of two >= 16, got {block_n}"
     keys = torch.empty((B, H, nb_max), dtype=torch.int64, device=q.device)
     if B == 0 or nb_max == 0:
         return keys
@@ -107,7 +128,12 @@ def block_keys(q, kmin, kmax, req_to_token, rows, seq_lens, block_size: int, sin
     _score_kernel[grid](q, kmin, kmax, req_to_token, rows, seq_lens, keys,
                         q.stride(0), q.stride(1), kmin.stride(0), req_to_token.stride(0),
                         keys.stride(0), keys.stride(1), H, nb_max, sink_blocks, recent_blocks,
-                        G=G, BS=block_size, D=D, BLOCK_N=block_n, BLOCK_D=next_pow2(D), num_warps=num_warps)
+                        G=G, GP=max(16, next_pow2(G)), BS=block_size, D=D, BLOCK_N=block_n,
+                        BLOCK_D=max(16, next_pow2(D)),
+                        # the Triton 3.6 interpreter multiplies bf16 tiles' raw bits: fp32 there
+                        DOT_F32=interpreting() or not (kmin.dtype in (torch.bfloat16, torch.float16)
+                                                       and q.dtype == kmin.dtype),
+                        num_warps=num_warps)
     return keys
 
 
@@ -125,11 +151,81 @@ def _decode_keys_kernel(Vals, Idx, Wanted, Forced, KK, K, BLOCK: tl.constexpr, P
     tl.store(Forced + r * K + i, (m & (hi == POS)).to(tl.int8), mask=i < K)
 
 
-def topk_from_keys(keys: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(wanted [B, H, k] int64, forced [B, H, k] bool)`` from ``block_keys`` (``-1`` padding):
-    ``torch.topk`` on the keys, then one small kernel decodes them (instead of five elementwise ops)."""
+@triton.jit
+def _select_kernel(Keys, Scratch, Wanted, Forced, NB, K, KK, BLOCK_N: tl.constexpr, KP: tl.constexpr,
+                   POS: tl.constexpr, NEG: tl.constexpr):
+    # one program per (row, KV head): the KK largest of NB distinct int64 keys, in descending order
+    r = tl.program_id(0).to(tl.int64)
+    n = tl.arange(0, BLOCK_N)
+    nm = n < NB
+    keys = tl.load(Keys + r * NB + n, mask=nm, other=-9223372036854775807 - 1)
+    # radix select, two bits per pass from the top (keys are distinct, so exactly KK keys are >= t):
+    # t starts at the smallest int64; each pass adds the largest digit v * 4**p (v <= 3) that keeps
+    # KK keys at or above t (never overflows)
+    t = tl.full((), -9223372036854775807 - 1, tl.int64)
+    for p in range(31, -1, -1):
+        s = tl.full((), 1, tl.int64) << (2 * p)
+        # the three counts (each < 2**20) packed in one int64 sum: one reduction per pass
+        c = tl.sum(tl.where(nm, (keys >= t + s).to(tl.int64) + ((keys >= t + 2 * s).to(tl.int64) << 20)
+                            + ((keys >= t + 3 * s).to(tl.int64) << 40), 0), axis=0)
+        c1, c2, c3 = c & 1048575, (c >> 20) & 1048575, c >> 40
+        v = tl.where(c3 >= KK, 3, tl.where(c2 >= KK, 2, tl.where(c1 >= KK, 1, 0))).to(tl.int64)
+        t = t + v * s
+    sel = nm & (keys >= t)
+    # compact the KK chosen keys (any order) into this row's scratch, then rank them: key i goes to
+    # place #{chosen keys > key i}
+    pos = tl.cumsum(sel.to(tl.int32), axis=0) - 1
+    tl.store(Scratch + r * KP + pos, keys, mask=sel)
+    tl.debug_barrier()
+    i = tl.arange(0, KP)
+    im = i < KK
+    kv = tl.load(Scratch + r * KP + i, mask=im, other=-9223372036854775807 - 1, cache_modifier=".cg")
+    rank = tl.sum((kv[None, :] > kv[:, None]).to(tl.int32), axis=1)
+    hi = kv >> 32
+    j = 4294967295 - (kv & 4294967295)
+    wanted = tl.where(hi > NEG, j, -1)
+    tl.store(Wanted + r * K + rank, wanted, mask=im)
+    tl.store(Forced + r * K + rank, (hi == POS).to(tl.int8), mask=im)
+    pad = (i >= KK) & (i < K)
+    tl.store(Wanted + r * K + i, tl.full((KP,), -1, tl.int64), mask=pad)
+    tl.store(Forced + r * K + i, tl.zeros((KP,), tl.int8), mask=pad)
+
+
+# largest rows / k the fused selection holds in one program's registers (beyond: torch.topk)
+MAX_SELECT_NB = 8192
+MAX_SELECT_K = 256
+
+
+def topk_from_keys(keys: torch.Tensor, k: int, fused: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(wanted [B, H, k] int64, forced [B, H, k] bool)`` from ``block_keys`` (``-1`` padding).
+
+    One launch (``_select_kernel``) for rows of up to ``MAX_SELECT_NB`` keys and ``k`` up to
+    ``MAX_SELECT_K``: a radix select of the ``k`` largest keys two bits at a time (32 counting
+    passes over the row in registers), then their descending order by ranking (``[k, k]`` comparisons) and the
+    decode of wanted / forced. The same result as ``torch.topk(keys, k, sorted=True)`` followed by
+    the decode (the keys are distinct, so the order is total); on the H200 ``torch.topk`` on int64
+    keys ran a 32-pass radix select per row (``sbtopk``, ~73 us per layer at 32 x 8 rows of 2,561)
+    and its own sort. Larger rows or ``k`` take that path (``fused=False`` forces it, ``True``
+    forbids it: ``ValueError`` when the row or ``k`` is too large).
+    """
     B, H, NB = keys.shape
     kk = min(k, NB)
+    fits = NB <= MAX_SELECT_NB and k <= MAX_SELECT_K
+    if fused and not fits:
+        raise ValueError(f"topk_from_keys: the fused selection takes rows of at most {MAX_SELECT_NB} keys and k <= "
+                         f"{MAX_SELECT_K}, got {NB} and {k}")
+    if fits and fused is not False:
+        keys = keys.contiguous()
+        wanted = torch.empty((B, H, k), dtype=torch.int64, device=keys.device)
+        forced = torch.empty((B, H, k), dtype=torch.bool, device=keys.device)
+        if B * H:
+            KP = next_pow2(k)
+            scratch = torch.empty((B * H, KP), dtype=torch.int64, device=keys.device)
+            BLOCK_N = next_pow2(NB)
+            _select_kernel[(B * H,)](keys, scratch, wanted, forced.view(torch.int8), NB, k, kk, BLOCK_N=BLOCK_N,
+                                     KP=KP, POS=POS_INF_KEY32, NEG=NEG_INF_KEY32,
+                                     num_warps=8 if BLOCK_N >= 2048 else 4)
+        return wanted, forced
     vals, idx = torch.topk(keys, kk, dim=-1, largest=True, sorted=True)
     if k > 4096:                    # one program holds a row of k keys: beyond that, elementwise ops
         hi = vals >> 32

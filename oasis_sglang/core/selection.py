@@ -1,7 +1,9 @@
 """Block scoring and top-K selection (paper: Methodology, Look-ahead Attention; Quest Sec. 3).
 
 Quest upper bound of query ``q`` on a block with key summaries ``m`` (min) and ``M`` (max):
-``u(q, block) = sum_d max(q_d * m_d, q_d * M_d)`` >= ``q . k`` for every key ``k`` in the block.
+``u(q, block) = sum_d max(q_d * m_d, q_d * M_d)`` >= ``q . k`` for every key ``k`` in the block,
+computed as ``q+ . M + q- . m`` (``q+``/``q-`` the positive / negative parts of ``q``; equal for
+``m <= M``), the form the Triton kernel runs as two matrix products.
 GQA: a KV head serves ``G`` query heads; a block matters to the KV head if it matters to any
 of them, so the KV head's score is the max of the group's bounds.
 """
@@ -26,7 +28,10 @@ def quest_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> tor
     qg = q.float().view(B, H, Hq // H, 1, D)                       # [B, H, G, 1, D]
     lo = kmin.float().permute(0, 2, 1, 3).unsqueeze(2)             # [B, H, 1, NB, D]
     hi = kmax.float().permute(0, 2, 1, 3).unsqueeze(2)
-    bound = torch.maximum(qg * lo, qg * hi).sum(-1)                # [B, H, G, NB]
+    zero = qg.new_zeros(())
+    qp = torch.where(qg < 0, zero, qg)                             # q+ (NaN kept)
+    qn = torch.where(qg > 0, zero, qg)                             # q- (NaN kept)
+    bound = (qp * hi).sum(-1) + (qn * lo).sum(-1)                  # [B, H, G, NB]
     return bound.amax(dim=2)
 
 
