@@ -281,6 +281,11 @@ def tables(results: list[dict], a) -> str:
 
 def plots(results: list[dict], out: Path) -> list[Path]:
     """PNG plots: decode tok/s vs context (dense vs oasis) and vs fetch_cap (with H2D GB/s)."""
+    ip = sys.modules.get("IPython")
+    if ip is not None and not hasattr(ip, "version_info"):
+        # the GPU-host kit's IPython stand-in (imported by SGLang) lacks it; matplotlib's figure
+        # reads it and returns early at >= 8.24
+        ip.version_info = (8, 24)
     try:
         import matplotlib
 
