@@ -7,8 +7,9 @@ the next step's working set, and the draft is a probe that is never accepted
 backend with the torch ops of ``oasis_sglang/cpu_ops.py``.
 
 (a) EAGLE-3 with a random-weight draft head, predictor ``lookahead``, ``fetch_cap`` unbounded,
-    budget >= context: greedy output identical to dense SGLang (and so to the synchronous
-    ``current`` predictor, which tests/test_e2e.py ties to dense); one verify pass per token.
+    budget >= context: greedy output identical to dense SGLang on the CPU engine (and so to the
+    synchronous ``current`` predictor, which tests/test_e2e.py ties to dense); on CUDA (bf16,
+    other kernels) it may leave dense only at a near-tie; one verify pass per token.
 (b) a draft that predicts well (SGLang's STANDALONE algorithm with SmolLM2 as its own draft
     model: the draft token is the model's own greedy next token, what a trained EAGLE-3 head
     approximates) at budget 512: the needle cases dense answers are answered too. A random
@@ -27,7 +28,7 @@ import pytest
 from oasis_sglang import needle
 from oasis_sglang.models import prepare_smollm2_eagle3
 from oasis_sglang.sglang_glue.launch import base_args, has_cuda, launch, parse_residency
-from test_e2e import NEEDLE_CASES, NEEDLE_CFG, OUT, _exact_prompts, chat, generate_ids
+from test_e2e import NEEDLE_CASES, NEEDLE_CFG, OUT, _exact_prompts, assert_dense_or_near_tie, chat, generate_ids
 
 pytestmark = pytest.mark.e2e
 PAIRED = ["--speculative-num-steps", "1", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "2"]
@@ -46,15 +47,33 @@ def _spec_server(model, algorithm, draft, cfg, name, extra=()):
     return launch(model, 0, args + spec + paired + oasis_args(**cfg) + list(extra), OUT / f"{name}.log")
 
 
-# On CUDA both sides of the exactness comparison run in float32: the draft needs SGLang's triton
-# backend for the target's prefill while the dense reference runs torch_native, and in bf16 those
-# differ enough to flip a greedy near-tie (the H200 run diverged at token 14 of 24 on one prompt).
-FP32_ON_CUDA = ["--dtype", "float32"] if has_cuda() else []
+# On CUDA the comparison cannot be exact: the draft needs SGLang's triton backend for the target's
+# prefill while the dense reference runs torch_native, and in bf16 those differ enough to flip a
+# greedy near-tie (the H200 run of 2026-11-29 diverged at token 14 of 24 on one prompt). float32
+# is no way out there: sgl_kernel's CUDA rmsnorm has no float32 kernel, so a float32 server does
+# not start (H200, 2026-12-01: "rmsnorm ... failed to dispatch data type Float"). So on CUDA
+# greedy output may leave dense only at a near-tie (test_e2e.assert_dense_or_near_tie); on the
+# CPU engine (float32) it must be identical.
+EXACT = not has_cuda()
+
+
+def _check_against_dense(prompts, dense_url, other_url, n_new, name):
+    """Greedy ids of both servers (prompts sent together: verify passes run batched); exact on
+    CPU, dense-or-near-tie on CUDA. Returns the other server's per-prompt ``meta_info``."""
+    with cf.ThreadPoolExecutor(len(prompts)) as ex:
+        ref = list(ex.map(lambda p: generate_ids(dense_url, p, n_new, top2=not EXACT), prompts))
+        got = list(ex.map(lambda p: generate_ids(other_url, p, n_new, meta=True), prompts))
+    if EXACT:
+        for p, r, (g, _) in zip(prompts, ref, got):
+            assert g == r, f"prompt of {len(p)} tokens: {name} {g} != dense {r}"
+    else:
+        assert_dense_or_near_tie(prompts, ref, [g for g, _ in got], name)
+    return [info for _, info in got]
 
 
 @pytest.fixture(scope="module")
 def dense(model):
-    srv = launch(model, 0, base_args(max_total_tokens=MAX_TOKENS) + FP32_ON_CUDA, OUT / "dense_lookahead.log")
+    srv = launch(model, 0, base_args(max_total_tokens=MAX_TOKENS), OUT / "dense_lookahead.log")
     yield srv
     srv.stop()
 
@@ -62,7 +81,7 @@ def dense(model):
 @pytest.fixture()          # one test: stopped before the next server starts (memory)
 def eagle_full(model):
     srv = _spec_server(model, "EAGLE3", prepare_smollm2_eagle3(),
-                       {"budget_tokens": 4096, "fetch_cap": None, "kernels": "torch"}, "oasis_eagle_full", FP32_ON_CUDA)
+                       {"budget_tokens": 4096, "fetch_cap": None, "kernels": "torch"}, "oasis_eagle_full")
     yield srv
     srv.stop()
 
@@ -70,7 +89,7 @@ def eagle_full(model):
 @pytest.fixture()
 def ngram_full(model):
     srv = _spec_server(model, "NGRAM", None, {"budget_tokens": 4096, "fetch_cap": None, "kernels": "torch"},
-                       "oasis_ngram_full", FP32_ON_CUDA)
+                       "oasis_ngram_full")
     yield srv
     srv.stop()
 
@@ -85,11 +104,7 @@ def self_draft_512(model):
 def test_lookahead_is_exact_when_budget_covers_context(dense, eagle_full, tok):
     prompts = _exact_prompts(tok)
     n_new = 24
-    with cf.ThreadPoolExecutor(len(prompts)) as ex:     # sent together: verify passes run batched
-        ref = list(ex.map(lambda p: generate_ids(dense.url, p, n_new), prompts))
-        got = list(ex.map(lambda p: generate_ids(eagle_full.url, p, n_new, meta=True), prompts))
-    for p, r, (g, info) in zip(prompts, ref, got):
-        assert g == r, f"prompt of {len(p)} tokens: oasis+EAGLE-3 {g} != dense {r}"
+    for info in _check_against_dense(prompts, dense.url, eagle_full.url, n_new, "oasis_eagle3_vs_dense"):
         assert info.get("spec_verify_ct") == n_new - 1, info      # a verify pass per token: no draft accepted
     lines = eagle_full.residency_lines()
     assert lines and "predictor: lookahead" in lines[-1] and "synchronous steps: 0" in lines[-1], lines[-1:]
@@ -105,11 +120,7 @@ def test_ngram_lookahead_is_exact_when_budget_covers_context(dense, ngram_full, 
     """SGLang's model-free n-gram drafter as the draft source (models without an EAGLE-3 head)."""
     prompts = _exact_prompts(tok)
     n_new = 24
-    with cf.ThreadPoolExecutor(len(prompts)) as ex:
-        ref = list(ex.map(lambda p: generate_ids(dense.url, p, n_new), prompts))
-        got = list(ex.map(lambda p: generate_ids(ngram_full.url, p, n_new, meta=True), prompts))
-    for p, r, (g, info) in zip(prompts, ref, got):
-        assert g == r, f"prompt of {len(p)} tokens: oasis+NGRAM {g} != dense {r}"
+    for info in _check_against_dense(prompts, dense.url, ngram_full.url, n_new, "oasis_ngram_vs_dense"):
         assert info.get("spec_verify_ct") == n_new - 1, info
     line = ngram_full.residency_lines()[-1]
     assert "predictor: lookahead" in line and "synchronous steps: 0" in line and "draft match: " in line, line
