@@ -115,6 +115,7 @@ def block_keys(q, kmin, kmax, req_to_token, rows, seq_lens, block_size: int, sin
     assert rows.shape == seq_lens.shape == (B,) and rows.device == seq_lens.device == q.device == kmin.device
     assert req_to_token.device == q.device
     G = Hq // H
+    rows, seq_lens = rows.contiguous(), seq_lens.contiguous()   # read with unit stride (no-ops when they are)
     assert block_n >= 16 and block_n & (block_n - 1) == 0, f"block_n must be a power of two >= 16, got {block_n}"
     keys = torch.empty((B, H, nb_max), dtype=torch.int64, device=q.device)
     if B == 0 or nb_max == 0:
@@ -173,7 +174,7 @@ def _select_kernel(Keys, Scratch, Wanted, Forced, NB, K, KK, BLOCK_N: tl.constex
     # compact the KK chosen keys (any order) into this row's scratch, then rank them: key i goes to
     # place #{chosen keys > key i}
     pos = tl.cumsum(sel.to(tl.int32), axis=0) - 1
-    tl.store(Scratch + r * KP + pos, keys, mask=sel)
+    tl.store(Scratch + r * KP + pos, keys, mask=sel & (pos < KP))    # (duplicate keys: never out of the row)
     tl.debug_barrier()
     i = tl.arange(0, KP)
     im = i < KK
@@ -189,8 +190,9 @@ def _select_kernel(Keys, Scratch, Wanted, Forced, NB, K, KK, BLOCK_N: tl.constex
     tl.store(Forced + r * K + i, tl.zeros((KP,), tl.int8), mask=pad)
 
 
-# largest rows / k the fused selection holds in one program's registers (beyond: torch.topk)
-MAX_SELECT_NB = 8192
+# largest rows / k the fused selection holds in one program's registers (beyond: torch.topk);
+# 16,384 blocks: a 128K-token model's CUDA-graph table (context + 4 tokens) at 16-token blocks
+MAX_SELECT_NB = 16384
 MAX_SELECT_K = 256
 
 
@@ -205,8 +207,16 @@ def topk_from_keys(keys: torch.Tensor, k: int, fused: bool | None = None) -> tup
     keys ran a 32-pass radix select per row (``sbtopk``, ~73 us per layer at 32 x 8 rows of 2,561)
     and its own sort. Larger rows or ``k`` take that path (``fused=False`` forces it, ``True``
     forbids it: ``ValueError`` when the row or ``k`` is too large).
+
+    The keys must be ``block_keys`` output: distinct, with the block id in the low half (the
+    fused path decodes it from there, the ``torch.topk`` path from the position). Duplicate keys
+    give an unspecified selection (never a write outside the outputs).
+    Raises:
+        AssertionError: ``keys`` is not int64.
+        ValueError: ``fused=True`` and the row or ``k`` exceeds the fused limits.
     """
     B, H, NB = keys.shape
+    assert keys.dtype == torch.int64, f"topk_from_keys: keys must be block_keys' int64 keys, got {keys.dtype}"
     kk = min(k, NB)
     fits = NB <= MAX_SELECT_NB and k <= MAX_SELECT_K
     if fused and not fits:
@@ -222,7 +232,7 @@ def topk_from_keys(keys: torch.Tensor, k: int, fused: bool | None = None) -> tup
             BLOCK_N = next_pow2(NB)
             _select_kernel[(B * H,)](keys, scratch, wanted, forced.view(torch.int8), NB, k, kk, BLOCK_N=BLOCK_N,
                                      KP=KP, POS=POS_INF_KEY32, NEG=NEG_INF_KEY32,
-                                     num_warps=8 if BLOCK_N >= 2048 else 4)
+                                     num_warps=16 if BLOCK_N >= 8192 else 8 if BLOCK_N >= 2048 else 4)
         return wanted, forced
     vals, idx = torch.topk(keys, kk, dim=-1, largest=True, sorted=True)
     if k > 4096:                    # one program holds a row of k keys: beyond that, elementwise ops

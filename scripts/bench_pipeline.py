@@ -312,7 +312,7 @@ def main() -> int:
                         "-1: the default, one per two SMs)")
     p.add_argument("--profile", action="store_true", help="print a torch.profiler table of eager steps")
     p.add_argument("--graph-profile", action="store_true",
-                   help="with --graph: GPU time per kernel of the replayed previous / lookahead steps")
+                   help="with --graph: GPU time per kernel of the replayed no-transfer / previous / lookahead steps")
     p.add_argument("--rtt-width", type=int, default=0,
                    help="req_to_token width in tokens (SGLang: the model's context length + 4, 40,964 for "
                         "Qwen3-8B); 0: just the benchmark's contexts")
@@ -321,6 +321,14 @@ def main() -> int:
                         "candidates span req_to_token's width; see --rtt-width)")
     p.add_argument("--skip-eager", action="store_true", help="only the --graph replays")
     args = p.parse_args()
+    for flag in ("graph_profile", "sglang_graph", "skip_eager"):
+        if getattr(args, flag) and not args.graph:
+            p.error(f"--{flag.replace('_', '-')} needs --graph")
+    if args.graph and args.steps < 6:
+        p.error("--steps: graph mode needs at least 6 (2 warm-up, 2 fill, timed replays)")
+    per = args.context + args.steps + 16
+    if args.rtt_width and args.rtt_width < per:
+        p.error(f"--rtt-width {args.rtt_width} is below the benchmark's own table width {per} (context + steps + 16)")
     global DEV
     DEV = args.device
     if DEV == "cuda" and not torch.cuda.is_available():

@@ -7,7 +7,8 @@ Each bar sums the kernel time the profiler recorded per replayed step (``kernels
 row of ``--variant``), divided by the run's sparse layers. Kernels of the stage streams overlap
 the compute stream's, so a bar can exceed the step time; the step time per layer is marked on it.
 Groups: attention (split-K decode), GEMMs (the layer's real weights), scoring, top-K (the fused
-selection, or ``torch.topk`` + key decode), admission plan, H2D copy, token append + summaries.
+selection, or ``torch.topk`` + key decode), admission plan, H2D copy, token append + summaries;
+"other" holds the rest, including the benchmark's own input refresh (``normal_`` / ``copy_``).
 Also prints the table behind the plot.
 """
 
@@ -36,18 +37,28 @@ def group_of(name: str) -> str:
 
 
 def bars(path: Path, variant: str) -> list[dict]:
-    """``[{fetch_cap, step_us, groups: {group: us}}]`` per sparse layer for one results file."""
-    res = json.loads(path.read_text())
-    layers = res["args"]["layers"]
-    out = []
-    for r in res["graph"]:
-        if r["variant"] != variant or not r.get("kernels"):
-            continue
-        g = {}
-        for name, us, _ in r["kernels"]:
-            g[group_of(name)] = g.get(group_of(name), 0.0) + us / layers
-        out.append({"fetch_cap": r["fetch_cap"], "step_us": 1e3 * r["gpu_ms"] / layers, "groups": g})
-    return out
+    """``[{fetch_cap, step_us, groups: {group: us}}]`` per sparse layer for one results file.
+
+    Raises:
+        SystemExit: the file is missing or is not ``bench_pipeline --graph --graph-profile`` output.
+    """
+    try:
+        res = json.loads(path.read_text())
+        layers = int(res["args"]["layers"])
+        graph = res["graph"]
+        assert layers > 0 and isinstance(graph, list)
+        out = []
+        for r in graph:
+            if r["variant"] != variant or not r.get("kernels"):
+                continue
+            g = {}
+            for name, us, _ in r["kernels"]:
+                g[group_of(name)] = g.get(group_of(name), 0.0) + float(us) / layers
+            out.append({"fetch_cap": r["fetch_cap"], "step_us": 1e3 * float(r["gpu_ms"]) / layers, "groups": g})
+        return out
+    except (OSError, ValueError, KeyError, TypeError, AssertionError) as e:
+        raise SystemExit(f"{path}: not a bench_pipeline.py --graph --graph-profile results.json "
+                         f"({e.__class__.__name__}: {e})") from None
 
 
 def main() -> int:
@@ -58,7 +69,7 @@ def main() -> int:
     a = ap.parse_args()
     rows = []
     for spec in a.results:
-        p, _, label = spec.partition("=")
+        p, _, label = (spec, "", "") if Path(spec).exists() or "=" not in spec else spec.rpartition("=")
         for b in bars(Path(p), a.variant):
             rows.append((f"{(label or Path(p).stem).replace('|', chr(10))}\ncap {b['fetch_cap']}", b))
     if not rows:
@@ -74,7 +85,7 @@ def main() -> int:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(1.6 + 1.5 * len(rows), 4.5))
+    fig, ax = plt.subplots(figsize=(max(7.0, 1.6 + 1.5 * len(rows)), 4.5))
     x = range(len(rows))
     bottom = [0.0] * len(rows)
     for n in names:
@@ -88,9 +99,10 @@ def main() -> int:
     ax.set_title("OasisKV decode step by kernel group (CUDA-graph replays)")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(a.out, dpi=120)
-    print(f"wrote {a.out}")
+    out = Path(a.out) if Path(a.out).suffix else Path(a.out).with_suffix(".png")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    print(f"wrote {out}")
     return 0
 
 

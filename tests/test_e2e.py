@@ -76,8 +76,9 @@ def generate_ids(url, input_ids, n, top2=False, meta=False):
     r.raise_for_status()
     info = r.json()["meta_info"]
     ids = [t[1] for t in info["output_token_logprobs"]]
-    if top2:   # log-probability gap between the best and second-best token at each step
-        return ids, [t[0][0] - t[1][0] for t in info["output_top_logprobs"]]
+    if top2:   # per step: log-probability gap between the best and second-best token, and the latter's id
+        top = info["output_top_logprobs"]
+        return ids, [t[0][0] - t[1][0] for t in top], [t[1][1] for t in top]
     return (ids, info) if meta else ids
 
 
@@ -114,23 +115,27 @@ NEAR_TIE = 0.5
 
 
 def assert_dense_or_near_tie(prompts, ref, got, name):
-    """``ref``: dense ``(ids, top-2 gaps)`` per prompt, ``got``: the other server's ids. Greedy
-    output may leave dense only at a step where dense's best two tokens nearly tie (never at the
-    first token: a wrong kernel leaves dense at once). Writes ``OUT/<name>.json``."""
+    """``ref``: dense ``(ids, top-2 gaps, second-best ids)`` per prompt (``generate_ids(top2=True)``),
+    ``got``: the other server's ids, as many. Greedy output may leave dense only at a step where
+    dense's best two tokens nearly tie, by taking dense's second-best token there, and never at
+    the first token (a wrong kernel leaves dense at once). Writes ``OUT/<name>.json``."""
     import json
 
     report = []
-    for p, (r, gap), g in zip(prompts, ref, got):
+    for p, (r, gap, second), g in zip(prompts, ref, got, strict=True):
+        assert len(g) == len(r), f"prompt of {len(p)} tokens: {len(g)} tokens generated, dense {len(r)}"
         first = next((i for i, (a, b) in enumerate(zip(r, g)) if a != b), None)
         report.append({"prompt_tokens": len(p), "first_divergence": first,
                        "dense_top2_gap_there": None if first is None else gap[first],
-                       "min_gap_before": min(gap[:first or len(r)])})
+                       "took_dense_second_best": None if first is None else g[first] == second[first],
+                       "min_gap_before": min(gap[:first], default=None) if first is not None else min(gap, default=None)})
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / f"{name}.json").write_text(json.dumps(report, indent=1))
     print(json.dumps(report))
     for rep in report:
         if rep["first_divergence"] is not None:
             assert rep["first_divergence"] > 0 and rep["dense_top2_gap_there"] < NEAR_TIE, report
+            assert rep["took_dense_second_best"], report
 
 
 def test_triton_kernels_leave_dense_only_at_near_ties(dense, oasis_full_triton, tok):

@@ -26,7 +26,8 @@ from oasis_sglang.core.attention import prefill_attention  # noqa: E402
 from oasis_sglang.kernels.copy_blocks import copy_blocks  # noqa: E402
 from oasis_sglang.kernels.paged_attention import paged_attention  # noqa: E402
 from oasis_sglang.kernels.sparse_decode import sparse_decode_attention  # noqa: E402
-from oasis_sglang.kernels.topk import NEG_INF_KEY32, POS_INF_KEY32, block_keys, select_topk, topk_from_keys  # noqa: E402
+from oasis_sglang.kernels.topk import (MAX_SELECT_K, MAX_SELECT_NB, NEG_INF_KEY32, POS_INF_KEY32, block_keys,  # noqa: E402
+                                      select_topk, topk_from_keys)
 from oasis_sglang.kernels.write_kv import segments, write_kv  # noqa: E402
 from oasis_sglang.kernels.append_tokens import append_tokens  # noqa: E402
 from oasis_sglang.kernels.plan_transfer import plan_transfer  # noqa: E402
@@ -165,7 +166,9 @@ def test_scores_match_reference_and_topk_is_near_exact(seed, dtype):
     assert agree > 0.9, agree
 
 
-@pytest.mark.parametrize("B,H,NB,k", [(3, 2, 37, 8), (2, 3, 5, 8), (1, 2, 300, 128), (2, 1, 1037, 125)])
+# (1, 1, 8193, 128): a 128K-token model's CUDA-graph table (context + 4 tokens) at 16-token blocks
+@pytest.mark.parametrize("B,H,NB,k", [(3, 2, 37, 8), (2, 3, 5, 8), (1, 2, 300, 128), (2, 1, 1037, 125),
+                                      (1, 1, 8193, 128)])
 def test_fused_selection_equals_torch_topk(seed, B, H, NB, k):
     """The one-launch radix select + rank of ``topk_from_keys`` against ``torch.topk`` + decode,
     exactly: score images with many ties (broken by the block id), forced (+inf) and absent (-inf)
@@ -182,7 +185,24 @@ def test_fused_selection_equals_torch_topk(seed, B, H, NB, k):
 
 def test_fused_selection_refuses_rows_it_cannot_hold():
     with pytest.raises(ValueError, match="at most"):
-        topk_from_keys(torch.zeros((1, 1, 9000), dtype=torch.int64, device=DEV), 8, fused=True)
+        topk_from_keys(torch.zeros((1, 1, MAX_SELECT_NB + 1), dtype=torch.int64, device=DEV), 8, fused=True)
+    with pytest.raises(ValueError, match="k <= "):
+        topk_from_keys(torch.zeros((1, 1, 64), dtype=torch.int64, device=DEV), MAX_SELECT_K + 1, fused=True)
+    with pytest.raises(AssertionError, match="int64"):
+        topk_from_keys(torch.zeros((1, 1, 64), dtype=torch.float32, device=DEV), 8)
+
+
+def test_fused_selection_with_duplicate_keys_stays_in_bounds():
+    """Duplicate keys (never produced by ``block_keys``) give an unspecified choice but no write
+    outside the outputs: the row's other outputs and the neighbouring rows stay intact."""
+    keys = torch.full((2, 3, 10), 5 * 2**32 + 7, dtype=torch.int64, device=DEV)
+    wanted, forced = topk_from_keys(keys, 3, fused=True)
+    assert wanted.shape == (2, 3, 3) and forced.shape == (2, 3, 3)
+    # rows with distinct keys beside a row of duplicates are still exact
+    good = (torch.arange(10, dtype=torch.int64) * 4294967296 + (4294967295 - torch.arange(10))).to(DEV)
+    keys[0, 1] = good
+    w2, _ = topk_from_keys(keys, 3, fused=True)
+    assert w2[0, 1].tolist() == [9, 8, 7]
 
 
 def test_topk_long_context_128k(seed):

@@ -3,7 +3,9 @@
 Quest upper bound of query ``q`` on a block with key summaries ``m`` (min) and ``M`` (max):
 ``u(q, block) = sum_d max(q_d * m_d, q_d * M_d)`` >= ``q . k`` for every key ``k`` in the block,
 computed as ``q+ . M + q- . m`` (``q+``/``q-`` the positive / negative parts of ``q``; equal for
-``m <= M``), the form the Triton kernel runs as two matrix products.
+finite ``m <= M``), the form the Triton kernel runs as two matrix products. A non-finite summary
+(a key that overflowed) makes the bound NaN (``0 * inf``), and ``select_blocks`` ranks a NaN
+bound last among the candidates.
 GQA: a KV head serves ``G`` query heads; a block matters to the KV head if it matters to any
 of them, so the KV head's score is the max of the group's bounds.
 """
