@@ -118,8 +118,14 @@ class OasisConfig:
             raise OasisConfigError(
                 f"kv_sparse_config: 'measure_agreement' must be true or false, got {self.measure_agreement!r}")
 
-    def predictor_for(self, has_draft: bool) -> str:
+    def predictor_for(self, has_draft: bool, model_free_draft: bool = False) -> str:
         """The predictor name for a server with (``has_draft``) or without speculative decoding.
+
+        ``"auto"`` is ``"lookahead"`` with a draft model (EAGLE-3, EAGLE, STANDALONE) and
+        ``"current"`` without one, including SGLang's model-free n-gram drafter
+        (``model_free_draft``): its drafts rarely match on prose (~11% in the simulation), so its
+        look-ahead predicts about as well as ``"previous"``, which lost needles at budget 512 that
+        ``"current"`` answers (docs/benchmarks.md). ``"lookahead"`` with NGRAM stays available.
 
         Raises:
             OasisConfigError: ``predictor="lookahead"`` without a draft source, or
@@ -127,7 +133,7 @@ class OasisConfig:
         """
         name = self.predictor
         if name == "auto":
-            name = "lookahead" if has_draft else "current"
+            name = "lookahead" if has_draft and not model_free_draft else "current"
         if name == "lookahead" and not has_draft:
             raise OasisConfigError(
                 "kv_sparse_config: 'predictor' is \"lookahead\" but no draft runs beside the normal "

@@ -3,4 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec "${OASIS_VENV:-.venv}/bin/python" -m pytest -v -rs tests "$@"
+# extra arguments go to pytest and replace the default selection (pyproject: testpaths = tests)
+exec "${OASIS_VENV:-.venv}/bin/python" -m pytest -v -rs "$@"

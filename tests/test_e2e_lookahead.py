@@ -88,8 +88,8 @@ def eagle_full(model):
 
 @pytest.fixture()
 def ngram_full(model):
-    srv = _spec_server(model, "NGRAM", None, {"budget_tokens": 4096, "fetch_cap": None, "kernels": "torch"},
-                       "oasis_ngram_full")
+    srv = _spec_server(model, "NGRAM", None, {"budget_tokens": 4096, "fetch_cap": None, "kernels": "torch",
+                                              "predictor": "lookahead"}, "oasis_ngram_full")   # auto: current
     yield srv
     srv.stop()
 

@@ -294,6 +294,9 @@ def test_predictor_registry_and_config():
     assert get_predictor("current").asynchronous is False
     assert OasisConfig().predictor_for(True) == "lookahead"
     assert OasisConfig().predictor_for(False) == "current"
+    # SGLang's n-gram drafter is no draft model: auto stays synchronous, lookahead is asked for
+    assert OasisConfig().predictor_for(True, model_free_draft=True) == "current"
+    assert OasisConfig(predictor="lookahead").predictor_for(True, model_free_draft=True) == "lookahead"
     with pytest.raises(OasisConfigError, match="'predictor'.*speculative"):
         OasisConfig(predictor="lookahead").predictor_for(False)
     with pytest.raises(OasisConfigError, match="'predictor'"):

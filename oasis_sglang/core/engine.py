@@ -108,6 +108,7 @@ class OasisSparseKV:
         # them (SGLang: the scheduler's batch); None otherwise
         self.batch_rows_host: list[int] | None = None
         self._last_li = L                  # layer order wraps -> a new decode step begins
+        self._last_step_timed = False      # the last decode step's exposed wait was timed (eager, CUDA)
         self._sync_step = True
         self._prefilled = False
         self._last_batch = None            # (rows, seq) device tensors of the last step, read when reporting
@@ -433,6 +434,7 @@ class OasisSparseKV:
             raise ValueError(f"graph_step: {len(rows_l)} rows but {len(seq_l)} lengths")
         self.pipe.join()
         self.pipe.forget_waits()                  # exposed waits are timed on eager steps only
+        self._last_step_timed = False
         self._step += 1
         s = self.stats
         s.decode_steps += 1
@@ -476,6 +478,7 @@ class OasisSparseKV:
         read of the device record."""
         self._step += 1
         self._step_d += 1
+        self._last_step_timed = self.device.type == "cuda"     # the stage streams exist on CUDA only
         s = self.stats
         s.decode_steps += 1
         s.new_request_started, self._prefilled = self._prefilled, False
@@ -603,6 +606,7 @@ class OasisSparseKV:
             "sync_steps": s.sync_steps,
             "graph_steps": s.graph_steps,
             "exposed_wait_ms": waits,
+            "exposed_wait_timed": self._last_step_timed,
             "agreement": [a / t if t else None for a, t in agree] if self.cfg.measure_agreement else None,
             "prediction_check": "host" if self._pred_host is not None else "device",
         }

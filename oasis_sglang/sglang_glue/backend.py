@@ -387,7 +387,9 @@ def format_residency(r: dict) -> str:
             f"predictor: {r['predictor']}, fallback synchronous steps: {r['sync_steps']}, "
             f"prediction check: {r.get('prediction_check', 'device')}, "
             f"decode steps: {r.get('decode_steps', 0)}, cuda graph steps: {r.get('graph_steps', 0)}, "
-            f"exposed wait: {sum(r['exposed_wait_ms']):.3f} ms (last step, all sparse layers)"
+            + (f"exposed wait: {sum(r['exposed_wait_ms']):.3f} ms (last step, all sparse layers)"
+               if r.get("exposed_wait_timed", True) else
+               "exposed wait: n/a (timed on eager CUDA steps only)")
             + ("" if r["agreement"] is None else
                f", agreement: {_mean(r['agreement']):.4f} (min layer {_min(r['agreement']):.4f})")
             + ("" if not r.get("draft_match") else
@@ -433,7 +435,8 @@ def init_attention_backends_hook(result, model_runner, *args, **kwargs):
 
     ops = get_kv_ops(cfg.kernel_backend(torch.device(model_runner.device).type))
     has_draft = bool(getattr(sa, "speculative_algorithm", None))
-    predictor = cfg.predictor_for(has_draft=has_draft)
+    predictor = cfg.predictor_for(has_draft=has_draft,
+                                  model_free_draft=str(getattr(sa, "speculative_algorithm", "")).upper() == "NGRAM")
     if has_draft:
         from . import spec_probe
 

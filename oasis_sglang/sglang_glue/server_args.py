@@ -120,7 +120,7 @@ def handle_kv_sparse_args(args) -> OasisConfig:
                 setattr(args, flag, want)
             elif val != want or type(val) is not int:
                 bad("--" + flag.replace("_", "-"), f"must be {want} (one draft token beside the normal one), got {val!r}")
-    cfg.predictor_for(has_draft=bool(spec))            # 'predictor' vs the draft source, before loading
+    cfg.predictor_for(has_draft=bool(spec), model_free_draft=str(spec).upper() == "NGRAM")   # before loading
     if str(getattr(args, "kv_cache_dtype", "auto")) not in ("auto", "bfloat16", "float16", "bf16", "fp16"):
         bad("--kv-cache-dtype", f"{args.kv_cache_dtype!r} is not supported (auto, bfloat16 or float16)")
     for flag in ("enable_hierarchical_cache", "enable_hisparse", "enable_mixed_chunk", "enable_dp_attention",
