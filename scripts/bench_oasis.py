@@ -28,7 +28,8 @@ Suites (``all`` runs the five issue-5 measurements; ``plan()`` says exactly what
   paired       issue 4's paired forward: oasis vs oasis-eagle3 (and dense, dense-eagle3)
 
 A full ``all`` takes longer than one 600 s device call: results go to ``<out>/bench_oasis.json``
-after every run and ``--resume`` skips the runs already there, so repeated calls complete it.
+after every run and ``--resume`` skips the runs already there, so repeated calls complete it;
+``--deadline S`` starts no run that would end past S seconds (exit status 3: runs are left).
 Random weights give no real draft acceptance and no real attention pattern: these runs measure
 speed only; the predicted top-K is used as if it were real (the pipeline does the same work).
 Writes ``<out>/bench_oasis.md`` (tables), ``.json`` (raw), PNG plots and each server's log.
@@ -49,6 +50,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from oasis_sglang.config import OasisConfig
 from oasis_sglang.sglang_glue.launch import launch, oasis_args
 
 DECODE = re.compile(r"Decode batch.*?#running-req: (\d+).*?gen throughput \(token/s\): ([\d.]+)")
@@ -100,6 +102,9 @@ def plan(suite: str, a) -> list[Run]:
     paired       the paired forward (issue 4): oasis vs oasis-eagle3 (and dense, dense-eagle3)
     """
     out, o = [], a.output_len
+    # oasis runs name their fetch cap (the config's default when --fetch-cap is not given), so
+    # the fetch-cap run at the default cap is the 16K throughput run, measured once
+    cap = a.fetch_cap if a.fetch_cap is not None else OasisConfig().fetch_cap
     sysargs = lambda: a.systems or ["dense", "oasis"]  # noqa: E731
 
     def long_runs(ctxs, tag):
@@ -108,7 +113,7 @@ def plan(suite: str, a) -> list[Run]:
             for sy in sysargs():
                 b = hr if sy.startswith("oasis") else max(hr, a.dense_batch)
                 out.append(Run(f"{tag}/{n}/{sy}", sy, n, o, b, "80gb" if sy.startswith("dense") else "exact",
-                               a.fetch_cap, hr))
+                               None if sy.startswith("dense") else cap, hr))
 
     if suite in ("throughput", "concurrency", "all"):
         long_runs(a.input_lens or [16384, 32768], "throughput")
@@ -121,11 +126,13 @@ def plan(suite: str, a) -> list[Run]:
         long_runs(a.input_lens or [4096, 8192, 16384, 32768], "context")
     if suite in ("short", "all"):
         for sy in sysargs():
-            out.append(Run(f"short/1024/{sy}", sy, 1024, o, a.batch, "exact", a.fetch_cap))
+            out.append(Run(f"short/1024/{sy}", sy, 1024, o, a.batch, "exact", None if sy.startswith("dense") else cap))
     if suite == "paired":
         for sy in a.systems or ["oasis", "oasis-eagle3", "dense", "dense-eagle3"]:
-            out.append(Run(f"paired/{a.input_len}/{sy}", sy, a.input_len, o, a.batch, "exact", a.fetch_cap))
-    if suite == "all":       # the context sweep repeats the throughput runs at 16K and 32K: measure once
+            out.append(Run(f"paired/{a.input_len}/{sy}", sy, a.input_len, o, a.batch, "exact",
+                           None if sy.startswith("dense") else cap))
+    if suite == "all":       # the context sweep repeats the throughput runs at 16K and 32K, the
+        #                      fetch-cap suite the 16K oasis run at the default cap: measure once
         seen, uniq = {}, []
         for r in out:
             k = (r.system, r.input_len, r.output_len, r.batch, r.pool, r.fetch_cap)
@@ -248,6 +255,34 @@ def _f(x, p=1):
     return "-" if x is None else f"{x:.{p}f}"
 
 
+def suite_rows(results: list[dict], suite: str) -> list[dict]:
+    """The results of ``suite``, with the runs it shares with the throughput suite under ``all``:
+    the context sweep's 16K / 32K points and the fetch-cap run at the default cap (the 16K oasis
+    run), unless the suite measured them itself."""
+    rows = [r for r in results if r["key"].startswith(suite + "/") and "error" not in r]
+    rows += [r for r in results if r["key"].startswith(suite + "/") and "error" in r]
+    thr = [r for r in results if r["key"].startswith("throughput/") and "error" not in r]
+    if suite == "context" and rows:
+        have = {(r.get("system"), r.get("input_len")) for r in rows}
+        rows += [r for r in thr if (r.get("system"), r.get("input_len")) not in have]
+        rows.sort(key=lambda r: (r.get("input_len") or 0, r.get("system") or ""))
+    elif suite == "fetch-cap" and rows:
+        have = {r.get("fetch_cap") for r in rows}
+        rows += [r for r in thr if r.get("system") == "oasis" and r.get("input_len") == 16384
+                 and r.get("fetch_cap") is not None and r["fetch_cap"] not in have]
+        rows.sort(key=lambda r: r.get("fetch_cap") or 0)
+    return rows
+
+
+def _dense_of(r: dict, by: dict) -> dict | None:
+    """The dense run an oasis run is compared with (same suite and length; fetch-cap: 16K throughput)."""
+    if r["system"] != "oasis":
+        return None
+    if r["key"].startswith("fetch-cap/"):
+        return by.get("throughput/16384/dense")
+    return by.get(r["key"].rsplit("/", 1)[0] + "/dense")
+
+
 def tables(results: list[dict], a) -> str:
     """Markdown: one table per suite present in ``results``, with the issue-5 ratios."""
     by = {r["key"]: r for r in results}
@@ -259,7 +294,7 @@ def tables(results: list[dict], a) -> str:
             "hit rate | vs dense |")
     sep = "|---|---|---|---|---|---|---|---|---|---|---|"
     for suite in ("throughput", "context", "fetch-cap", "short", "paired"):
-        rows = [r for r in results if r["key"].startswith(suite + "/")]
+        rows = suite_rows(results, suite)
         if not rows:
             continue
         md += [f"### {suite}", "", head, sep]
@@ -267,10 +302,11 @@ def tables(results: list[dict], a) -> str:
             if "error" in r:
                 md.append(f"| {r['key']} | failed: {r['error'][:150]} |" + " |" * 9)
                 continue
-            dense = by.get(r["key"].rsplit("/", 1)[0] + "/dense") if r["system"] == "oasis" else None
+            dense = _dense_of(r, by)
             ratio = (r["decode_tok_s"] / dense["decode_tok_s"]
                      if dense and dense.get("decode_tok_s") and r.get("decode_tok_s") else None)
-            md.append(f"| {r['key']} | {r.get('max_running', '-')} | {_f(r.get('decode_tok_s'))} | "
+            key = r["key"] if r["key"].startswith(suite + "/") else f"{r['key']} (cap {r.get('fetch_cap')})"
+            md.append(f"| {key} | {r.get('max_running', '-')} | {_f(r.get('decode_tok_s'))} | "
                       f"{_f(r.get('step_ms'), 2)} | {_f(r.get('output_tok_s'))} | {_f(r.get('median_tpot_ms'), 2)} | "
                       f"{_f((r.get('median_ttft_ms') or 0) / 1e3 if r.get('median_ttft_ms') else None)} | "
                       f"{_f(r.get('h2d_mb_per_step'))} | {_f(r.get('h2d_gb_s'), 2)} | {_f(r.get('hit_rate'), 3)} | "
@@ -309,8 +345,7 @@ def plots(results: list[dict], out: Path) -> list[Path]:
         made.append(out / "context_sweep.png")
         fig.savefig(made[-1], dpi=120)
         plt.close(fig)
-    fc = sorted((r for r in results if r["key"].startswith("fetch-cap/") and r.get("decode_tok_s")),
-                key=lambda r: r["fetch_cap"] or 0)
+    fc = [r for r in suite_rows(results, "fetch-cap") if r.get("decode_tok_s") and r.get("fetch_cap")]
     if fc:
         fig, ax = plt.subplots(figsize=(6, 4))
         ax.plot([r["fetch_cap"] for r in fc], [r["decode_tok_s"] for r in fc], marker="o", label="decode tok/s")
@@ -329,6 +364,9 @@ def plots(results: list[dict], out: Path) -> list[Path]:
     return made
 
 
+T0 = time.time()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--suite", choices=["all", "throughput", "concurrency", "fetch-cap", "context", "short", "paired"],
@@ -345,18 +383,25 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=8, help="paired / short: requests sent together")
     ap.add_argument("--dense-batch", type=int, default=32,
                     help="throughput / context: prompts sent to dense at least (its pool limits what runs)")
-    ap.add_argument("--host-gib", type=float, default=72.0,
+    ap.add_argument("--host-gib", type=float, default=96.0,
                     help="oasis host tier, GiB of Qwen3-8B KV (pinned host memory; the H200 host has 128 GiB "
-                         "and served a 70.5 GB tier)")
+                         "and served a 92.5 GB tier, 42 requests of 16K)")
     ap.add_argument("--budget", type=int, default=2048, help="oasis budget_tokens")
     ap.add_argument("--fetch-cap", type=int, default=None, help="oasis fetch_cap (default: the config's)")
     ap.add_argument("--fetch-caps", type=int, nargs="+", default=[1, 2, 4, 8, 16], help="fetch-cap suite values")
     ap.add_argument("--predictor", default="previous", choices=["previous", "lookahead", "current"],
                     help="oasis predictor (previous: the asynchronous pipeline without a draft model)")
     ap.add_argument("--eager", action="store_true", help="oasis without CUDA graphs")
+    ap.add_argument("--deadline", type=float, default=None,
+                    help="seconds after start-up past which no new run starts: a run starts only if the last run of "
+                         "its system in this call (or --run-estimate) still fits (a device call has a hard limit)")
+    ap.add_argument("--run-estimate", type=float, default=240.0,
+                    help="seconds one run takes, for --deadline before a run has been timed")
     ap.add_argument("--timeout", type=int, default=900, help="seconds for a server start / one bench_serving run")
     ap.add_argument("--out", default=os.environ.get("OUT", "out") + "/bench_oasis")
     a = ap.parse_args()
+    if a.deadline is not None and a.deadline <= 0 or a.run_estimate <= 0:
+        ap.error("--deadline and --run-estimate must be positive seconds")
     runs = plan(a.suite, a)
     if a.only:
         unknown = set(a.only) - {r.key for r in runs}
@@ -377,8 +422,20 @@ def main() -> int:
                 ap.error(f"environment variable {var} must name the model folder (source the gpu-host kit's env.sh)")
         done = {r["key"] for r in results if "error" not in r}
         todo = [r for r in runs if r.key not in done]
+        pending = False
+        took: dict[str, float] = {}          # system -> seconds of its last run in this call
         for run in tqdm(todo, desc=f"bench_oasis {a.suite}", file=sys.stderr):
+            if a.deadline is not None and time.time() - T0 + took.get(run.system, a.run_estimate) > a.deadline:
+                left = [r.key for r in todo[todo.index(run):]]
+                print(f"bench_oasis: --deadline {a.deadline:.0f} s: {len(left)} runs left for --resume: {left}",
+                      file=sys.stderr)
+                pending = True
+                break
+            t_run = time.time()
             res = run_one(run, a, out)
+            if "error" not in res:
+                took[run.system] = time.time() - t_run
+                res["run_s"] = round(took[run.system], 1)
             print(json.dumps(res), file=sys.stderr, flush=True)
             results = [r for r in results if r["key"] != run.key] + [res]
             # written after every run: a call cut short keeps what it measured (--resume goes on)
@@ -389,7 +446,9 @@ def main() -> int:
     for p in plots(results, out):
         print(f"wrote {p}", file=sys.stderr)
     print(md)
-    return 0 if all("error" not in r for r in results) else 1
+    if any("error" in r for r in results):
+        return 1
+    return 3 if not a.plot_only and pending else 0
 
 
 if __name__ == "__main__":

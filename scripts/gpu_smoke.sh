@@ -13,8 +13,8 @@
 #            (TESTS="tests/test_e2e_lookahead.py" picks other test files)
 #   stage 4: carry .gpuhost/kit .gpuhost/model (after stages 1-2) -> bash scripts/gpu_smoke.sh 4 [bench_oasis args]
 #            (scripts/bench_oasis.py on the Qwen3-8B-shaped dummy -> out/bench_oasis/, copied to $OUT;
-#             the issue-5 suite takes several calls: copy the returned bench_oasis.json into
-#             out/bench_oasis/, carry out/bench_oasis too and pass --resume)
+#             the issue-5 suite takes several calls: copy the returned bench_oasis/ to out/bench_oasis,
+#             carry out/bench_oasis too and pass --resume; --deadline 540 keeps a call inside 600 s)
 # Stage 3 installs this package into /tmp/site, applies the patches there, prepares SmolLM2 and
 # runs the end-to-end tests (dense and oasis both on torch_native, so (a) is an exact comparison).
 set -euo pipefail
@@ -62,9 +62,12 @@ case $stage in
     python3 -m pip install -q --no-index --no-deps --no-build-isolation --upgrade --target /tmp/site . 2>&1 | grep -v WARNING || true
     rm -rf build
     python3 -m oasis_sglang.cli patch apply --sglang-root /tmp/site
-    # results accumulate in out/bench_oasis (carry it back in with --resume to go on)
-    rc=0; python3 scripts/bench_oasis.py --out out/bench_oasis "$@" || rc=$?
-    mkdir -p ${OUT:-/tmp/out}; cp -r out/bench_oasis ${OUT:-/tmp/out}/; rm -rf ${OUT:-/tmp/out}/bench_oasis/.bin
+    # results accumulate in $OUT/bench_oasis, written after every run, so a call cut short still
+    # returns them; a carried-in out/bench_oasis (the last call's, for --resume) is copied there first
+    R=${OUT:-/tmp/out}/bench_oasis; mkdir -p "$R"
+    [ -d out/bench_oasis ] && cp -r out/bench_oasis/. "$R"/
+    rc=0; python3 scripts/bench_oasis.py --out "$R" "$@" || rc=$?
+    rm -rf "$R"/.bin
     exit $rc
     ;;
 esac

@@ -68,3 +68,38 @@ def test_tables_compare_oasis_with_dense_of_the_same_run(bench):
     md = bench.tables(res, a)
     assert "| throughput/16384/oasis | 31 | 3100.0 |" in md and "3.10x" in md
     assert "fetch-cap/4 | failed: start failed: boom" in md
+
+
+def test_fetch_cap_at_the_default_is_the_throughput_run(bench):
+    from oasis_sglang.config import OasisConfig
+
+    a = _args(bench)
+    runs = bench.plan("all", a)
+    keys = [r.key for r in runs]
+    default = OasisConfig().fetch_cap
+    assert f"fetch-cap/{default}" not in keys and "fetch-cap/1" in keys and "fetch-cap/16" in keys
+    o = {r.key: r for r in runs}["throughput/16384/oasis"]
+    assert o.fetch_cap == default
+    assert f'"fetch_cap": {default}' in " ".join(bench.system_args(o, a)), "the run names its cap"
+    # the fetch-cap suite alone still measures the default cap itself
+    assert f"fetch-cap/{default}" in [r.key for r in bench.plan("fetch-cap", a)]
+
+
+def test_shared_runs_appear_in_the_fetch_cap_and_context_tables(bench):
+    a = _args(bench)
+    res = [{"key": "throughput/16384/dense", "system": "dense", "input_len": 16384, "fetch_cap": None,
+            "decode_tok_s": 1000.0, "max_running": 22},
+           {"key": "throughput/16384/oasis", "system": "oasis", "input_len": 16384, "fetch_cap": 8,
+            "decode_tok_s": 1700.0, "max_running": 41},
+           {"key": "fetch-cap/2", "system": "oasis", "input_len": 16384, "fetch_cap": 2,
+            "decode_tok_s": 2000.0, "max_running": 41},
+           {"key": "context/4096/dense", "system": "dense", "input_len": 4096, "fetch_cap": None,
+            "decode_tok_s": 3000.0, "max_running": 83}]
+    fc = bench.suite_rows(res, "fetch-cap")
+    assert [r["fetch_cap"] for r in fc] == [2, 8]
+    ctx = bench.suite_rows(res, "context")
+    assert [(r["input_len"], r["system"]) for r in ctx] == [(4096, "dense"), (16384, "dense"), (16384, "oasis")]
+    md = bench.tables(res, a)
+    fc_md = md.split("### fetch-cap")[1].split("###")[0]
+    assert "| fetch-cap/2 | 41 | 2000.0 |" in fc_md and "2.00x" in fc_md, "fetch-cap rows compare with 16K dense"
+    assert "| throughput/16384/oasis (cap 8) | 41 | 1700.0 |" in fc_md

@@ -31,6 +31,23 @@ def test_host_tier_layout_and_roundtrip(seed):
     assert ht.k[0].abs().sum() == 0  # other layer untouched
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the host tier is page-locked only with CUDA")
+@pytest.mark.parametrize("threads", [1, 4])
+def test_host_tier_pinned_by_threads_is_zeroed_pinned_and_in_order(threads):
+    H, D, Dv, bs, P, L = 2, 16, 8, 4, 64, 5
+    ht = HostTier(L, P, bs, H, D, Dv, torch.bfloat16, pin_memory=True, pin_threads=threads)
+    assert len(ht.k) == len(ht.v) == L
+    assert all(t.shape == (H, P, bs, D) for t in ht.k) and all(t.shape == (H, P, bs, Dv) for t in ht.v)
+    assert len({t.data_ptr() for t in ht.k + ht.v}) == 2 * L
+    for t in ht.k + ht.v:
+        assert t.is_pinned() and t.abs().sum() == 0
+    # a non-blocking copy from a registered buffer reads it (flag 0: registered with this device)
+    ht.v[L - 1][1, P - 1].fill_(2.0)
+    got = ht.v[L - 1][1, P - 1].to("cuda", non_blocking=True)
+    torch.cuda.synchronize()
+    assert float(got.float().sum()) == 2.0 * bs * Dv
+
+
 def test_quest_bound_is_an_upper_bound(seed):
     B, H, G, D, NB, bs = 2, 3, 3, 8, 5, 4
     keys = torch.randn(B, NB, H, bs, D)
