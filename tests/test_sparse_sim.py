@@ -48,6 +48,84 @@ def test_decode_positions_attend_exactly_the_selected_blocks(seed, predictor):
     assert n > 0 and 0 <= s / n <= 1
 
 
+def _resident_by_hand(wanted_steps, forced_steps, K, cap):
+    """Independent reference of capped eviction for one KV head: ``K`` slots, each step's missing
+    predicted blocks admitted in priority order, free slots first (slot order), then the
+    resident blocks not predicted, least recently predicted first (ties: slot order); at most
+    ``cap`` admissions beyond the free slots, forced blocks always. Returns each step's set."""
+    slots, used, sets = [None] * K, [0] * K, []
+    for step, (want, forced) in enumerate(zip(wanted_steps, forced_steps)):
+        want = [int(b) for b in want if b >= 0]
+        forced_set = {int(b) for b, f in zip(wanted_steps[step], forced) if f and b >= 0}
+        missing = [b for b in want if b not in slots]
+        free = [i for i in range(K) if slots[i] is None]
+        evictable = sorted((i for i in range(K) if slots[i] is not None and slots[i] not in want),
+                           key=lambda i: (used[i], i))
+        limit = max(len(free) + cap, sum(b in forced_set for b in missing))
+        admit = missing[:limit]
+        for i in range(K):                                 # kept blocks are used this step
+            if slots[i] in want:
+                used[i] = step
+        for b, i in zip(admit, free + evictable):
+            slots[i], used[i] = b, step
+        sets.append({b for b in slots if b is not None})
+    return sets
+
+
+@pytest.mark.parametrize("cap", [1, 3])
+def test_capped_working_set_follows_lru_capped_eviction(seed, cap):
+    H, G, T, D, P, bs, budget = 2, 2, 170, 16, 90, 8, 48
+    K = budget // bs
+    q, k, v = torch.randn(1, H * G, T, D), torch.randn(1, H, T, D), torch.randn(1, H, T, D)
+    cfg = sparse_sim.SimConfig(prefix_len=P, budget_tokens=budget, block_size=bs, dense_layers=(), chunk=16,
+                               fetch_cap=cap)
+    with sparse_sim.simulate(cfg):
+        out, _ = sparse_sim.oasis_sim_attention(types.SimpleNamespace(layer_idx=2), q, k, v, None)
+    kmin, kmax = sparse_sim.block_summaries(k[0], bs)
+    wanted, forced = [], []
+    for t in range(P, T):
+        nb, nc = -(-(t + 1) // bs), (t + 1) // bs
+        sc = quest_scores(q[0, :, t][None], kmin[None, :nb], kmax[None, :nb])
+        w, f = select_blocks(sc, torch.tensor([nb]), torch.tensor([nc]), K, 1, 2)
+        wanted.append(w[0])
+        forced.append(f[0])
+    capped_somewhere = False
+    for h in range(H):
+        sets = _resident_by_hand([w[h] for w in wanted], [f[h] for f in forced], K, cap)
+        for i, t in enumerate(range(P, T)):
+            blocks = sorted(sets[i])
+            capped_somewhere |= set(blocks) != {int(b) for b in wanted[i][h] if b >= 0}
+            pos = [p for b in blocks for p in range(b * bs, min(t + 1, (b + 1) * bs))]
+            ref = scaled_dot_product_attention(q[0, h * G:(h + 1) * G, t][:, None], k[0, h, pos][None].expand(G, -1, -1),
+                                               v[0, h, pos][None].expand(G, -1, -1))
+            assert torch.allclose(out[0, t, h * G:(h + 1) * G], ref[:, 0], atol=1e-5), (h, t)
+    assert capped_somewhere, "random queries must hit the cap (else the test shows nothing)"
+    missing, admitted, n = cfg.admissions[2]
+    assert n == (T - P - 1) * H and admitted <= missing
+    assert admitted <= n * cap + (T - P) // bs * H, "admissions beyond the cap are forced (new recent blocks)"
+
+
+def test_unbounded_carried_working_set_is_the_predicted_top_k(seed):
+    H, G, T, D, P, bs, budget = 2, 3, 150, 16, 100, 8, 48
+    q, k, v = torch.randn(1, H * G, T, D), torch.randn(1, H, T, D), torch.randn(1, H, T, D)
+    outs = {}
+    for cap in (None, budget // bs):
+        cfg = sparse_sim.SimConfig(prefix_len=P, budget_tokens=budget, block_size=bs, dense_layers=(),
+                                   predictor="previous", chunk=16, fetch_cap=cap)
+        with sparse_sim.simulate(cfg):
+            outs[cap] = sparse_sim.oasis_sim_attention(types.SimpleNamespace(layer_idx=3), q, k, v, None)[0]
+    assert torch.equal(outs[None], outs[budget // bs])
+    missing, admitted, _ = cfg.admissions[3]
+    assert admitted == missing > 0
+
+
+@pytest.mark.parametrize("kw", [{"fetch_cap": 0}, {"fetch_cap": True}, {"fetch_cap": 2.0},
+                                {"fetch_cap": 2, "budget_tokens": None}, {"fetch_cap": 2, "record": True}])
+def test_fetch_cap_config_errors_name_the_field(kw):
+    with pytest.raises(ValueError, match="fetch_cap"):
+        sparse_sim.SimConfig(prefix_len=8, **{"budget_tokens": 64, **kw})
+
+
 def test_smollm2_dense_when_budget_covers_context_and_not_below(seed):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -16,7 +16,13 @@ continuation token fed the true token. Registered as a transformers attention fu
   synchronous foundation path, and the upper bound of look-ahead with a perfect draft),
   ``previous`` = step ``t-1``'s query (no draft model).
 
-``fetch_cap`` is not simulated (the working set is exactly the predicted top-K each step).
+With ``fetch_cap=None`` the working set is exactly the predicted top-K each step. With a
+``fetch_cap`` the working set of each (sparse layer, KV head) is carried from step to step
+through the engine's own stage (b), ``core.working_set.plan_admissions``: the first decode step
+fills the empty set, then each step admits missing predicted blocks, at most ``fetch_cap`` of
+them evicting (LRU, forced sink / recent blocks always), and attention reads what is resident
+(paper: Methodology, Delta Selection and Capped Eviction). ``admissions`` counts, per layer,
+the predicted blocks that were missing and those admitted.
 Per layer it records the agreement of ``previous`` with ``current`` on the non-forced top-K:
 ``|previous ∩ current| / |current|``.
 
@@ -52,6 +58,7 @@ import torch
 from torch.nn.functional import scaled_dot_product_attention
 
 from ..core.selection import quest_scores, select_blocks
+from ..core.working_set import plan_admissions
 
 NAME = "oasis_sim"
 PREDICTORS = ("current", "previous")
@@ -83,6 +90,14 @@ class SimConfig:
         predicted: pass 2: ``{sparse layer: (wanted, forced)}`` ``[M, H, K]``: the draft row's
             top-K for step ``t + 1``, row ``i`` = step ``t = prefix_len + i``.
         draft_queries: pass 2: ``{sparse layer: [M, Hq, D]}`` float32 post-RoPE draft queries.
+        fetch_cap: evicting admissions per step and KV head (``None``: not simulated, the
+            working set is the predicted top-K; ``>= budget_tokens // block_size``: unbounded,
+            carried from step to step).
+        admissions: with ``fetch_cap``: ``{sparse layer: [missing, admitted, steps x KV heads]}``
+            (filled): predicted non-resident blocks and blocks admitted, summed over decode steps
+            after the first and KV heads.
+        working_sets: with ``fetch_cap``: ``{sparse layer: (ids [1, H, K], last_used [1, H, K])}``
+            the carried block table (internal).
     """
 
     prefix_len: int
@@ -103,8 +118,16 @@ class SimConfig:
     previous: dict = field(default_factory=dict)
     predicted: dict = field(default_factory=dict)
     draft_queries: dict = field(default_factory=dict)
+    fetch_cap: int | None = None
+    admissions: dict = field(default_factory=dict)
+    working_sets: dict = field(default_factory=dict)
 
     def __post_init__(self):
+        if self.fetch_cap is not None and (isinstance(self.fetch_cap, bool) or not isinstance(self.fetch_cap, int)
+                                           or self.fetch_cap < 1):
+            raise ValueError(f"fetch_cap must be a positive integer or None, got {self.fetch_cap!r}")
+        if self.fetch_cap is not None and (self.budget_tokens is None or self.record or self.pass1 is not None):
+            raise ValueError("fetch_cap is simulated only in a plain sparse run (a budget, no record / pass 2)")
         if self.predictor not in PREDICTORS:
             raise ValueError(f"predictor must be one of {PREDICTORS}, got {self.predictor!r}")
         if self.budget_tokens is not None and self.budget_tokens % self.block_size:
@@ -207,6 +230,8 @@ def _attention(cfg: SimConfig, layer: int, query, key, value, scaling) -> torch.
             cfg.previous[layer][0][pos - P], cfg.previous[layer][1][pos - P] = w_prev, f_prev
             cfg.queries[layer][pos - P] = cur.float()
         wanted = w_cur if cfg.predictor == "current" else w_prev
+        if cfg.fetch_cap is not None:
+            wanted = _carry_working_set(cfg, layer, wanted, f_cur if cfg.predictor == "current" else f_prev, pos)
         nbk = kmin.shape[0]
         held = torch.zeros(len(pos), H, nbk + 1, dtype=torch.bool, device=q.device)
         held.scatter_(2, torch.where(wanted >= 0, wanted, nbk), True)
@@ -218,6 +243,30 @@ def _attention(cfg: SimConfig, layer: int, query, key, value, scaling) -> torch.
         p = torch.softmax(sc, -1)
         o[:, pos] = torch.einsum("hgnt,htd->hgnd", p, v.float()).reshape(Hq, len(pos), -1).to(o.dtype)
     return o.unsqueeze(0).transpose(1, 2).contiguous()
+
+
+def _carry_working_set(cfg: SimConfig, layer: int, wanted: torch.Tensor, forced: torch.Tensor,
+                       pos: torch.Tensor) -> torch.Tensor:
+    """The resident blocks ``[N, H, K]`` (``-1``: empty slot) at decode positions ``pos [N]``
+    (consecutive) given the predicted ``wanted`` / ``forced`` ``[N, H, K]``: the layer's block
+    table is updated one step at a time by ``plan_admissions`` with ``cfg.fetch_cap``."""
+    N, H, K = wanted.shape
+    if layer not in cfg.working_sets:
+        cfg.working_sets[layer] = (torch.full((1, H, K), -1, dtype=torch.int64, device=wanted.device),
+                                   torch.zeros((1, H, K), dtype=torch.int64, device=wanted.device))
+    ids, last_used = cfg.working_sets[layer]
+    row = torch.zeros(1, dtype=torch.int64, device=wanted.device)
+    acc = cfg.admissions.setdefault(layer, [0, 0, 0])
+    out = torch.empty_like(wanted)
+    for i in range(N):
+        first = bool((ids < 0).all())
+        adm = plan_admissions(ids, last_used, row, wanted[i:i + 1], forced[i:i + 1], int(pos[i]), cfg.fetch_cap)
+        if not first:                                       # the first step fills an empty set
+            acc[0] += int((wanted[i] >= 0).sum()) - int(adm.hits)
+            acc[1] += int(adm.mask.sum())
+            acc[2] += H
+        out[i] = ids[0]
+    return out
 
 
 def _draft_attention(cfg: SimConfig, layer: int, query, key, value, scale: float) -> torch.Tensor:
