@@ -31,6 +31,12 @@ def test_host_tier_layout_and_roundtrip(seed):
     assert ht.k[0].abs().sum() == 0  # other layer untouched
 
 
+@pytest.mark.parametrize("bad", [0, -2, 1.5, True])
+def test_host_tier_rejects_bad_pin_threads(bad):
+    with pytest.raises(ValueError, match="pin_threads"):
+        HostTier(1, 2, 4, 1, 8, 8, torch.float32, pin_threads=bad)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the host tier is page-locked only with CUDA")
 @pytest.mark.parametrize("threads", [1, 4])
 def test_host_tier_pinned_by_threads_is_zeroed_pinned_and_in_order(threads):

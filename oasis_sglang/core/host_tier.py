@@ -60,11 +60,18 @@ class HostTier:
             (default ``min(8, cpu count)``; 1 = one after the other). Zeroing and pinning run
             at about 1 GB/s in one thread, so a 70 GB tier took ~58 s of server start-up on the
             H200 host; the CUDA runtime is thread-safe and each buffer is registered on its own.
+
+    Raises:
+        ValueError: ``pin_threads`` is not a positive integer.
+        RuntimeError: page-locking failed (``_pinned_zeros``).
     """
 
     def __init__(self, num_layers: int, num_pages: int, block_size: int, head_num: int,
                  head_dim: int, v_head_dim: int, dtype: torch.dtype, pin_memory: bool = False,
                  pin_threads: int | None = None):
+        if pin_threads is not None and (isinstance(pin_threads, bool) or not isinstance(pin_threads, int)
+                                        or pin_threads < 1):
+            raise ValueError(f"HostTier: pin_threads must be a positive integer or None, got {pin_threads!r}")
         self.num_layers, self.num_pages, self.block_size = num_layers, num_pages, block_size
         self.head_num, self.head_dim, self.v_head_dim, self.dtype = head_num, head_dim, v_head_dim, dtype
         shapes = ([(head_num, num_pages, block_size, head_dim)] * num_layers
