@@ -141,7 +141,7 @@ def plan_transfer(ids, last_used, rows, wanted, forced, step, fetch_cap, seq, re
     _plan_transfer_kernel[(B * H,)](
         ids, last_used, rows, wanted, forced, step, seq, req_to_token, dst, src, counts, counters,
         ids.stride(0), ids.stride(1), wanted.stride(0), wanted.stride(1), req_to_token.stride(0),
-        H, K, num_pages, req_to_token.shape[1], 0 if fetch_cap is None else int(fetch_cap),
+        H, K, num_pages, req_to_token.shape[1], 0 if fetch_cap is None else min(int(fetch_cap), K),   # >= K: unbounded
         -1 if skip_row is None else int(skip_row),
         HAS_CAP=fetch_cap is not None, BS=block_size, BLOCK_K=next_pow2(K), num_warps=num_warps)
     return dst, src, counts

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import statistics
@@ -50,8 +51,10 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from oasis_sglang.config import OasisConfig
-from oasis_sglang.sglang_glue.launch import launch, oasis_args
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))     # this checkout's package, not an installed copy
+
+from oasis_sglang.config import OasisConfig  # noqa: E402
+from oasis_sglang.sglang_glue.launch import launch, oasis_args  # noqa: E402
 
 DECODE = re.compile(r"Decode batch.*?#running-req: (\d+).*?gen throughput \(token/s\): ([\d.]+)")
 SERVING = {"output_tok_s": r"Output token throughput \(tok/s\):\s+([\d.]+)",
@@ -300,13 +303,14 @@ def tables(results: list[dict], a) -> str:
         md += [f"### {suite}", "", head, sep]
         for r in rows:
             if "error" in r:
-                md.append(f"| {r['key']} | failed: {r['error'][:150]} |" + " |" * 9)
+                err = " ".join(str(r["error"]).split())[:150].replace("|", "/")
+                md.append(f"| {r['key']} | failed: {err} |" + " |" * 9)
                 continue
             dense = _dense_of(r, by)
             ratio = (r["decode_tok_s"] / dense["decode_tok_s"]
                      if dense and dense.get("decode_tok_s") and r.get("decode_tok_s") else None)
-            key = r["key"] if r["key"].startswith(suite + "/") else f"{r['key']} (cap {r.get('fetch_cap')})"
-            md.append(f"| {key} | {r.get('max_running', '-')} | {_f(r.get('decode_tok_s'))} | "
+            key = r["key"] if r["key"].startswith(suite + "/") or suite != "fetch-cap" else f"{r['key']} (cap {r.get('fetch_cap')})"
+            md.append(f"| {key} | {'-' if r.get('max_running') is None else r['max_running']} | {_f(r.get('decode_tok_s'))} | "
                       f"{_f(r.get('step_ms'), 2)} | {_f(r.get('output_tok_s'))} | {_f(r.get('median_tpot_ms'), 2)} | "
                       f"{_f((r.get('median_ttft_ms') or 0) / 1e3 if r.get('median_ttft_ms') else None)} | "
                       f"{_f(r.get('h2d_mb_per_step'))} | {_f(r.get('h2d_gb_s'), 2)} | {_f(r.get('hit_rate'), 3)} | "
@@ -372,18 +376,50 @@ def plots(results: list[dict], out: Path) -> list[Path]:
 T0 = time.time()
 
 
+def _positive_int(x: str) -> int:
+    if not x.isascii() or not x.isdigit() or int(x) < 1:
+        raise argparse.ArgumentTypeError(f"{x!r} is not a positive integer")
+    return int(x)
+
+
+def load_results(jpath: Path) -> tuple[list[dict], dict]:
+    """``(results, args)`` of a ``bench_oasis.json``; SystemExit with one line if it is malformed."""
+    try:
+        d = json.loads(jpath.read_text())
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"bench_oasis: cannot read {jpath}: {e}")
+    res = d.get("results") if isinstance(d, dict) else None
+    if not isinstance(res, list) or not all(isinstance(r, dict) and isinstance(r.get("key"), str)
+                                            and isinstance(r.get("system"), str) for r in res):
+        raise SystemExit(f"bench_oasis: {jpath} is not a bench_oasis results file (want {{'results': [{{'key', "
+                         f"'system', ...}}, ...]}})")
+    return res, d.get("args") if isinstance(d.get("args"), dict) else {}
+
+
+RUN_FIELDS = ("system", "input_len", "output_len", "batch", "pool", "fetch_cap", "host_requests")
+
+
+def same_run(res: dict, run: Run) -> bool:
+    """Whether a stored result measured ``run`` as planned now (same system, lengths, batch, pool,
+    fetch cap and host tier), so ``--resume`` may skip it."""
+    return all(res.get(f) == getattr(run, f) for f in RUN_FIELDS)
+
+
 def main() -> int:
+    global T0
+    T0 = time.time()                      # --deadline counts from here
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--suite", choices=["all", "throughput", "concurrency", "fetch-cap", "context", "short", "paired"],
                     default="all")
-    ap.add_argument("--systems", nargs="+", default=None, help="override the suite's systems")
+    ap.add_argument("--systems", nargs="+", default=None, choices=["dense", "oasis", "dense-eagle3", "oasis-eagle3"],
+                    help="override the suite's systems")
     ap.add_argument("--only", nargs="+", default=None, help="run only these run keys (see --list)")
     ap.add_argument("--list", action="store_true", help="print the planned runs and exit")
     ap.add_argument("--resume", action="store_true", help="skip runs already in <out>/bench_oasis.json (split a "
                     "long suite over several calls)")
     ap.add_argument("--plot-only", action="store_true", help="rewrite the tables and plots from <out>/bench_oasis.json")
     ap.add_argument("--input-len", type=int, default=16384, help="paired suite: input length")
-    ap.add_argument("--input-lens", type=int, nargs="+", default=None, help="throughput / context: input lengths")
+    ap.add_argument("--input-lens", type=_positive_int, nargs="+", default=None, help="throughput / context: input lengths")
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--batch", type=int, default=8, help="paired / short: requests sent together")
     ap.add_argument("--dense-batch", type=int, default=32,
@@ -392,21 +428,28 @@ def main() -> int:
                     help="oasis host tier, GiB of Qwen3-8B KV (pinned host memory; the H200 host has 128 GiB "
                          "and served a 92.5 GB tier, 42 requests of 16K)")
     ap.add_argument("--budget", type=int, default=2048, help="oasis budget_tokens")
-    ap.add_argument("--fetch-cap", type=int, default=None, help="oasis fetch_cap (default: the config's)")
-    ap.add_argument("--fetch-caps", type=int, nargs="+", default=[1, 2, 4, 8, 16], help="fetch-cap suite values")
+    ap.add_argument("--fetch-cap", type=_positive_int, default=None, help="oasis fetch_cap (default: the config's)")
+    ap.add_argument("--fetch-caps", type=_positive_int, nargs="+", default=[1, 2, 4, 8, 16], help="fetch-cap suite values")
     ap.add_argument("--predictor", default="previous", choices=["previous", "lookahead", "current"],
                     help="oasis predictor (previous: the asynchronous pipeline without a draft model)")
     ap.add_argument("--eager", action="store_true", help="oasis without CUDA graphs")
     ap.add_argument("--deadline", type=float, default=None,
-                    help="seconds after start-up past which no new run starts: a run starts only if the last run of "
-                         "its system in this call (or --run-estimate) still fits (a device call has a hard limit)")
+                    help="seconds after start-up past which no new run starts: a run starts only if its estimate "
+                         "still fits (the last run of its system and length in this call, else that system's last "
+                         "run scaled by context, else --run-estimate); a device call has a hard limit")
     ap.add_argument("--run-estimate", type=float, default=240.0,
                     help="seconds one run takes, for --deadline before a run has been timed")
     ap.add_argument("--timeout", type=int, default=900, help="seconds for a server start / one bench_serving run")
     ap.add_argument("--out", default=os.environ.get("OUT", "out") + "/bench_oasis")
     a = ap.parse_args()
-    if a.deadline is not None and a.deadline <= 0 or a.run_estimate <= 0:
-        ap.error("--deadline and --run-estimate must be positive seconds")
+    if not math.isfinite(a.run_estimate) or a.run_estimate <= 0 or a.deadline is not None and (
+            not math.isfinite(a.deadline) or a.deadline <= 0):
+        ap.error("--deadline and --run-estimate must be positive, finite seconds")
+    if a.deadline is not None and a.deadline < a.run_estimate:
+        ap.error(f"--deadline {a.deadline:g} is below --run-estimate {a.run_estimate:g}: no run would start")
+    for name in ("fetch_caps", "input_lens", "systems"):
+        if getattr(a, name):
+            setattr(a, name, list(dict.fromkeys(getattr(a, name))))     # a repeated value is one run
     runs = plan(a.suite, a)
     if a.only:
         unknown = set(a.only) - {r.key for r in runs}
@@ -420,17 +463,40 @@ def main() -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     jpath = out / "bench_oasis.json"
-    results = json.loads(jpath.read_text())["results"] if (a.resume or a.plot_only) and jpath.exists() else []
+    results = []
+    if a.plot_only and not jpath.exists():
+        ap.error(f"--plot-only: no results at {jpath} (--out names the folder holding bench_oasis.json)")
+    if a.resume and not jpath.exists():
+        print(f"bench_oasis: --resume: no results at {jpath} yet; starting from scratch", file=sys.stderr)
+    if (a.resume or a.plot_only) and jpath.exists():
+        results, stored = load_results(jpath)
+        if a.plot_only:                   # the table header describes the stored runs
+            for k in ("budget", "predictor", "eager", "host_gib"):
+                if k in stored:
+                    setattr(a, k, stored[k])
     if not a.plot_only:
         for var in ("M",) + (("D",) if any(r.system.endswith("eagle3") for r in runs) else ()):
             if not os.environ.get(var):
                 ap.error(f"environment variable {var} must name the model folder (source the gpu-host kit's env.sh)")
-        done = {r["key"] for r in results if "error" not in r}
-        todo = [r for r in runs if r.key not in done]
+        stored_by = {r["key"]: r for r in results}
+        todo = []
+        for r in runs:
+            old = stored_by.get(r.key)
+            if old is not None and "error" not in old and same_run(old, r):
+                continue
+            if old is not None and "error" not in old:
+                diff = {f: (old.get(f), getattr(r, f)) for f in RUN_FIELDS if old.get(f) != getattr(r, f)}
+                print(f"bench_oasis: --resume: {r.key} was measured with other settings {diff} (stored, planned): "
+                      "measuring it again", file=sys.stderr)
+            todo.append(r)
         pending = False
-        took: dict[str, float] = {}          # system -> seconds of its last run in this call
+        took: dict[tuple, float] = {}        # (system, input_len) -> seconds of its last run in this call
         for run in tqdm(todo, desc=f"bench_oasis {a.suite}", file=sys.stderr):
-            if a.deadline is not None and time.time() - T0 + took.get(run.system, a.run_estimate) > a.deadline:
+            est = took.get((run.system, run.input_len))
+            if est is None:        # scale the last run of the system by context (prefill and KV grow with it)
+                same = [(n, t) for (sy, n), t in took.items() if sy == run.system]
+                est = max(t * max(1.0, run.input_len / n) for n, t in same) if same else a.run_estimate
+            if a.deadline is not None and time.time() - T0 + est > a.deadline:
                 left = [r.key for r in todo[todo.index(run):]]
                 print(f"bench_oasis: --deadline {a.deadline:.0f} s: {len(left)} runs left for --resume: {left}",
                       file=sys.stderr)
@@ -439,8 +505,8 @@ def main() -> int:
             t_run = time.time()
             res = run_one(run, a, out)
             if "error" not in res:
-                took[run.system] = time.time() - t_run
-                res["run_s"] = round(took[run.system], 1)
+                took[(run.system, run.input_len)] = time.time() - t_run
+                res["run_s"] = round(took[(run.system, run.input_len)], 1)
             print(json.dumps(res), file=sys.stderr, flush=True)
             results = [r for r in results if r["key"] != run.key] + [res]
             # written after every run: a call cut short keeps what it measured (--resume goes on)
@@ -451,9 +517,10 @@ def main() -> int:
     for p in plots(results, out):
         print(f"wrote {p}", file=sys.stderr)
     print(md)
-    if any("error" in r for r in results):
-        return 1
-    return 3 if not a.plot_only and pending else 0
+    if not a.plot_only and pending:
+        return 3
+    planned = {r.key for r in runs}       # errors of stored runs outside this call's plan do not count
+    return 1 if any("error" in r for r in results if r["key"] in planned) else 0
 
 
 if __name__ == "__main__":

@@ -12,13 +12,16 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-from oasis_sglang.core.host_tier import HostTier
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))     # this checkout's package, not an installed copy
+
+from oasis_sglang.core.host_tier import HostTier  # noqa: E402
 
 
 def main() -> int:
@@ -28,11 +31,11 @@ def main() -> int:
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 4, 8, 16], help="pin_threads values")
     ap.add_argument("--out", default="out/bench_pin.md")
     a = ap.parse_args()
+    if not math.isfinite(a.gib) or a.gib <= 0 or a.layers < 1 or min(a.threads) < 1:
+        ap.error("--gib must be a finite number > 0, --layers >= 1 and every --threads value >= 1")
     if not torch.cuda.is_available():
         print("bench_pin: needs CUDA (the host tier is page-locked only there)", file=sys.stderr)
         return 2
-    if a.gib <= 0 or a.layers < 1 or min(a.threads) < 1:
-        ap.error("--gib must be > 0, --layers >= 1 and every --threads value >= 1")
     H, bs, D = 8, 16, 128
     block_bytes = H * bs * D * 2 * 2                      # K and V of one block, all KV heads, bf16
     pages = max(1, int(a.gib * 2**30 // (a.layers * block_bytes)))

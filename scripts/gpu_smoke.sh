@@ -12,7 +12,7 @@
 #   stage 3: carry .gpuhost/kit .gpuhost/c3                    -> bash scripts/gpu_smoke.sh 3 [pytest args]
 #            (TESTS="tests/test_e2e_lookahead.py" picks other test files)
 #   stage 4: carry .gpuhost/kit .gpuhost/model (after stages 1-2) -> bash scripts/gpu_smoke.sh 4 [bench_oasis args]
-#            (scripts/bench_oasis.py on the Qwen3-8B-shaped dummy -> out/bench_oasis/, copied to $OUT;
+#            (scripts/bench_oasis.py on the Qwen3-8B-shaped dummy -> $OUT/bench_oasis/ after every run;
 #             the issue-5 suite takes several calls: copy the returned bench_oasis/ to out/bench_oasis,
 #             carry out/bench_oasis too and pass --resume; --deadline 540 keeps a call inside 600 s)
 # Stage 3 installs this package into /tmp/site, applies the patches there, prepares SmolLM2 and
@@ -65,7 +65,9 @@ case $stage in
     # results accumulate in $OUT/bench_oasis, written after every run, so a call cut short still
     # returns them; a carried-in out/bench_oasis (the last call's, for --resume) is copied there first
     R=${OUT:-/tmp/out}/bench_oasis; mkdir -p "$R"
-    [ -d out/bench_oasis ] && cp -r out/bench_oasis/. "$R"/
+    if [ -d out/bench_oasis ] && [ "$(cd out/bench_oasis && pwd -P)" != "$(cd "$R" && pwd -P)" ]; then
+      cp -r out/bench_oasis/. "$R"/ && chmod -R u+w "$R"       # returned files come back read-only
+    fi
     rc=0; python3 scripts/bench_oasis.py --out "$R" "$@" || rc=$?
     rm -rf "$R"/.bin
     exit $rc

@@ -108,10 +108,12 @@ def main() -> int:
     for c in a.fetch_caps:
         if c in ("none", "unbounded"):
             caps.append(c)
-        elif c.isdigit() and int(c) >= 1:
+        elif c.isascii() and c.isdigit() and int(c) >= 1:
             caps.append(int(c))
         else:
             ap.error(f"--fetch-caps: {c!r} is not a positive integer, 'unbounded' or 'none'")
+    caps = list(dict.fromkeys(caps))                 # a repeated value is one run (else its NLL counts twice)
+    a.budgets, a.predictors = list(dict.fromkeys(a.budgets)), list(dict.fromkeys(a.predictors))
     if a.agreement_only and caps != ["none"]:
         ap.error("--fetch-caps applies to the perplexity runs, not --agreement-only")
     torch.manual_seed(0)

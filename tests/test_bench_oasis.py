@@ -103,3 +103,75 @@ def test_shared_runs_appear_in_the_fetch_cap_and_context_tables(bench):
     fc_md = md.split("### fetch-cap")[1].split("###")[0]
     assert "| fetch-cap/2 | 41 | 2000.0 |" in fc_md and "2.00x" in fc_md, "fetch-cap rows compare with 16K dense"
     assert "| throughput/16384/oasis (cap 8) | 41 | 1700.0 |" in fc_md
+
+
+def _fake_runs(bench, monkeypatch, fail=(), seconds=0.0):
+    """bench.run_one replaced by a recorder (the server runs need a GPU); returns the call list."""
+    import time as _t
+
+    calls = []
+
+    def fake(run, a, out):
+        calls.append(run.key)
+        _t.sleep(seconds)
+        base = {f: getattr(run, f) for f in bench.RUN_FIELDS} | {"key": run.key}
+        if run.key in fail:
+            return base | {"error": "start failed: boom\nTraceback | pipe"}
+        return base | {"decode_tok_s": 100.0, "max_running": run.batch}
+
+    monkeypatch.setattr(bench, "run_one", fake)
+    monkeypatch.setenv("M", "/nonexistent-model")
+    return calls
+
+
+def _main(bench, monkeypatch, *argv):
+    monkeypatch.setattr(sys, "argv", ["bench_oasis.py", *argv])
+    return bench.main()
+
+
+def test_resume_skips_matching_runs_and_remeasures_changed_ones(bench, monkeypatch, tmp_path, capsys):
+    import json
+
+    calls = _fake_runs(bench, monkeypatch)
+    out = str(tmp_path)
+    assert _main(bench, monkeypatch, "--suite", "short", "--out", out) == 0
+    assert calls == ["short/1024/dense", "short/1024/oasis"]
+    assert _main(bench, monkeypatch, "--suite", "short", "--out", out, "--resume") == 0
+    assert calls == ["short/1024/dense", "short/1024/oasis"], "both stored runs match the plan"
+    assert _main(bench, monkeypatch, "--suite", "short", "--out", out, "--resume", "--batch", "4") == 0
+    assert calls[2:] == ["short/1024/dense", "short/1024/oasis"]
+    assert "measured with other settings" in capsys.readouterr().err
+    rows = json.loads((tmp_path / "bench_oasis.json").read_text())["results"]
+    assert sorted(r["batch"] for r in rows) == [4, 4]
+
+
+def test_deadline_leaves_runs_with_exit_3_and_errors_stay_in_one_table_row(bench, monkeypatch, tmp_path):
+    calls = _fake_runs(bench, monkeypatch, fail={"fetch-cap/1"}, seconds=0.4)
+    out = str(tmp_path)
+    rc = _main(bench, monkeypatch, "--suite", "fetch-cap", "--fetch-caps", "1", "2", "2", "4", "--out", out,
+               "--deadline", "0.9", "--run-estimate", "0.2")
+    # 0.4 s runs: the second starts at 0.4 (estimate 0.4 fits 0.9), the third would end at 1.2
+    assert rc == 3 and calls == ["fetch-cap/1", "fetch-cap/2"], calls
+    md = (tmp_path / "bench_oasis.md").read_text()
+    row = [ln for ln in md.splitlines() if ln.startswith("| fetch-cap/1 ")]
+    assert len(row) == 1 and "boom Traceback / pipe" in row[0]
+    # the rest, then a later call of another suite: the stored failure is not its concern
+    assert _main(bench, monkeypatch, "--suite", "fetch-cap", "--fetch-caps", "2", "4", "--out", out, "--resume") == 0
+    assert calls.count("fetch-cap/2") == 1 and calls[-1] == "fetch-cap/4", "a repeated --fetch-caps value is one run"
+    assert _main(bench, monkeypatch, "--suite", "fetch-cap", "--fetch-caps", "1", "--out", out, "--resume") == 1
+
+
+@pytest.mark.parametrize("argv,msg", [(["--plot-only"], "no results"), (["--deadline", "nan"], "finite"),
+                                      (["--deadline", "100"], "no run would start"),
+                                      (["--fetch-caps", "0"], "positive integer")])
+def test_bad_arguments_are_refused_with_the_option_named(bench, monkeypatch, tmp_path, capsys, argv, msg):
+    _fake_runs(bench, monkeypatch)
+    with pytest.raises(SystemExit) as e:
+        _main(bench, monkeypatch, "--out", str(tmp_path / "x"), *argv)
+    assert e.value.code == 2 and msg in capsys.readouterr().err
+
+
+def test_a_malformed_results_file_is_one_clear_line(bench, monkeypatch, tmp_path):
+    (tmp_path / "bench_oasis.json").write_text('{"results": [{"key": "short/1024/dense"}]}')
+    with pytest.raises(SystemExit, match="not a bench_oasis results file"):
+        _main(bench, monkeypatch, "--plot-only", "--out", str(tmp_path))

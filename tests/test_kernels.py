@@ -346,6 +346,31 @@ def test_plan_transfer_equals_reference_exactly(seed, cap, K):
     assert (counts.view(4, H)[1] == 0).all(), "the padding row copies nothing"
 
 
+@pytest.mark.parametrize("fn", ["reference", "kernel"])
+def test_plan_transfer_a_huge_cap_is_unbounded(seed, fn):
+    """A cap of K or more admits like no cap (n_free + cap must not overflow: 2**63 - 1 did)."""
+    R, H, K, bs, NB = 2, 2, 6, 4, 20
+    plan = REF.plan_transfer if fn == "reference" else plan_transfer
+    rows = torch.tensor([0, 1], device=DEV)
+    rtt, P = layout([NB * bs] * R, bs)
+    rtt = rtt.to(DEV)
+    state = {c: [torch.full((R, H, K), -1, dtype=torch.int64, device=DEV),
+                 torch.zeros((R, H, K), dtype=torch.int64, device=DEV),
+                 torch.zeros(4, dtype=torch.int64, device=DEV)] for c in (None, K, 2**63 - 1)}
+    seq = torch.tensor([40, 60], device=DEV)
+    for step in range(1, 8):
+        scores = torch.randn(2, H, NB, device=DEV)
+        wanted, forced = select_blocks(scores, (seq + bs - 1) // bs, seq // bs, K, 1, 2)
+        outs = {c: plan(ids, lru, rows, wanted, forced, step, c, seq, rtt, bs, P, ctr)
+                for c, (ids, lru, ctr) in state.items()}
+        for c in (K, 2**63 - 1):
+            for a, b in zip(outs[None], outs[c]):
+                assert torch.equal(a.cpu(), b.cpu()), (c, step)
+            for a, b in zip(state[None], state[c]):
+                assert torch.equal(a.cpu(), b.cpu()), (c, step)
+    assert int(state[None][2][2]) > 0, "random scores must evict (else the cap is never exercised)"
+
+
 def test_plan_transfer_handles_an_int_step_and_no_cap(seed):
     R, H, K, bs = 3, 2, 4, 8
     rtt, P = layout([64] * R, bs)

@@ -117,6 +117,12 @@ def test_unbounded_carried_working_set_is_the_predicted_top_k(seed):
     assert torch.equal(outs[None], outs[budget // bs])
     missing, admitted, _ = cfg.admissions[3]
     assert admitted == missing > 0
+    # a second forward under the same config starts from an empty working set
+    cfg = sparse_sim.SimConfig(prefix_len=P, budget_tokens=budget, block_size=bs, dense_layers=(), chunk=16, fetch_cap=1)
+    with sparse_sim.simulate(cfg):
+        first = sparse_sim.oasis_sim_attention(types.SimpleNamespace(layer_idx=3), q, k, v, None)[0]
+        second = sparse_sim.oasis_sim_attention(types.SimpleNamespace(layer_idx=3), q, k, v, None)[0]
+    assert torch.equal(first, second)
 
 
 @pytest.mark.parametrize("kw", [{"fetch_cap": 0}, {"fetch_cap": True}, {"fetch_cap": 2.0},

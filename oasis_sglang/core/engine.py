@@ -85,7 +85,8 @@ class OasisSparseKV:
         num_pages = -(-num_tokens // self.bs)
         pin = self.device.type == "cuda"
         L = len(self.sparse_layers)
-        self.host = HostTier(L, num_pages, self.bs, head_num, head_dim, v_head_dim, dtype, pin_memory=pin)
+        self.host = HostTier(L, num_pages, self.bs, head_num, head_dim, v_head_dim, dtype, pin_memory=pin,
+                             pin_device=self.device.index if pin else None)
         self.summaries = KeySummaries(L, num_pages, head_num, head_dim, dtype, self.device)
         self.ws = WorkingSet(L, num_rows, head_num, cfg.budget_blocks, self.bs, head_dim, v_head_dim, dtype, self.device)
         self.stats = OasisStats()

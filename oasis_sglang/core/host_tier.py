@@ -56,8 +56,9 @@ class HostTier:
         head_num, head_dim, v_head_dim: KV heads ``H`` and head sizes ``D``, ``Dv``.
         dtype: KV dtype (the pool's).
         pin_memory: page-lock the buffers (only meaningful with CUDA).
+        pin_device: CUDA device index whose context registers the buffers (default the current one).
         pin_threads: threads that zero and page-lock the ``2 * num_layers`` buffers at once
-            (default ``min(8, cpu count)``; 1 = one after the other). Zeroing and pinning run
+            (default ``min(8, CPUs this process may run on)``; 1 = one after the other). Zeroing and pinning run
             at about 1 GB/s in one thread, so a 70 GB tier took ~58 s of server start-up on the
             H200 host; the CUDA runtime is thread-safe and each buffer is registered on its own.
 
@@ -68,7 +69,7 @@ class HostTier:
 
     def __init__(self, num_layers: int, num_pages: int, block_size: int, head_num: int,
                  head_dim: int, v_head_dim: int, dtype: torch.dtype, pin_memory: bool = False,
-                 pin_threads: int | None = None):
+                 pin_threads: int | None = None, pin_device: int | None = None):
         if pin_threads is not None and (isinstance(pin_threads, bool) or not isinstance(pin_threads, int)
                                         or pin_threads < 1):
             raise ValueError(f"HostTier: pin_threads must be a positive integer or None, got {pin_threads!r}")
@@ -79,10 +80,11 @@ class HostTier:
         if not pin_memory:
             bufs = [torch.zeros(s, dtype=dtype) for s in shapes]
         else:
-            dev = torch.cuda.current_device()
-            n = pin_threads if pin_threads is not None else min(8, os.cpu_count() or 1)
+            dev = torch.cuda.current_device() if pin_device is None else pin_device
+            cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+            n = pin_threads if pin_threads is not None else min(8, cpus)
             if n <= 1:
-                bufs = [_pinned_zeros(s, dtype) for s in shapes]
+                bufs = [_pinned_zeros(s, dtype, dev) for s in shapes]
             else:
                 # map() keeps the order and re-raises a worker's error here; the buffers already
                 # registered are unregistered when their tensors are collected

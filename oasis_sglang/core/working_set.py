@@ -125,7 +125,8 @@ def plan_admissions(ids: torch.Tensor, last_used: torch.Tensor, rows: torch.Tens
     if fetch_cap is None:
         limit = torch.full_like(n_free, K)
     else:
-        limit = torch.maximum(n_free + fetch_cap, n_forced_missing)
+        # a cap of K or more is unbounded; clamped so n_free + cap cannot overflow int64
+        limit = torch.maximum(n_free + min(int(fetch_cap), K), n_forced_missing)
     admitted = missing & (rank < limit)
     n_admit = admitted.sum(-1, keepdim=True)
     # destinations: free slots (in slot order) then evictable by LRU, then untouchable

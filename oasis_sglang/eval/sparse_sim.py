@@ -97,7 +97,8 @@ class SimConfig:
             (filled): predicted non-resident blocks and blocks admitted, summed over decode steps
             after the first and KV heads.
         working_sets: with ``fetch_cap``: ``{sparse layer: (ids [1, H, K], last_used [1, H, K])}``
-            the carried block table (internal).
+            the carried block table (internal; each forward starts from an empty one, while
+            ``admissions`` keeps summing over the forwards run under the config).
     """
 
     prefix_len: int
@@ -251,7 +252,7 @@ def _carry_working_set(cfg: SimConfig, layer: int, wanted: torch.Tensor, forced:
     (consecutive) given the predicted ``wanted`` / ``forced`` ``[N, H, K]``: the layer's block
     table is updated one step at a time by ``plan_admissions`` with ``cfg.fetch_cap``."""
     N, H, K = wanted.shape
-    if layer not in cfg.working_sets:
+    if layer not in cfg.working_sets or int(pos[0]) == cfg.prefix_len:     # a forward starts empty
         cfg.working_sets[layer] = (torch.full((1, H, K), -1, dtype=torch.int64, device=wanted.device),
                                    torch.zeros((1, H, K), dtype=torch.int64, device=wanted.device))
     ids, last_used = cfg.working_sets[layer]
