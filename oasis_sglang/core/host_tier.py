@@ -58,9 +58,10 @@ class HostTier:
         pin_memory: page-lock the buffers (only meaningful with CUDA).
         pin_device: CUDA device index whose context registers the buffers (default the current one).
         pin_threads: threads that zero and page-lock the ``2 * num_layers`` buffers at once
-            (default ``min(8, CPUs this process may run on)``; 1 = one after the other). Zeroing and pinning run
-            at about 1 GB/s in one thread, so a 70 GB tier took ~58 s of server start-up on the
-            H200 host; the CUDA runtime is thread-safe and each buffer is registered on its own.
+            (default ``min(8, CPUs this process may run on)``; 1 = one after the other). On the
+            H200 host zeroing + pinning ran at 3.4 GB/s in one thread and 14.2 GB/s in 8
+            (``scripts/bench_pin.py``, docs/benchmarks.md section 000); the CUDA runtime is
+            thread-safe and each buffer is registered on its own.
 
     Raises:
         ValueError: ``pin_threads`` is not a positive integer.
