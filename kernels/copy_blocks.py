@@ -21,6 +21,10 @@ from oasis_sglang.core.ops import TorchKVOps
 from ._common import check_range, checks_enabled, kernel_arg, next_pow2, num_sms
 
 reference = TorchKVOps().copy_blocks
+# a row-list program loads up to ROW_TILE_PIECES pieces at once, at most ROW_TILE_ELEMENTS elements
+# (8 pieces of 16 tokens x 128 dims: 32 KiB of bf16 in flight per program)
+ROW_TILE_PIECES = 8
+ROW_TILE_ELEMENTS = 16384
 
 
 @triton.jit
@@ -45,37 +49,42 @@ def _copy_blocks_kernel(DstK, DstV, SrcK, SrcV, DstIdx, SrcIdx, M, PK: tl.conste
 
 @triton.jit
 def _copy_rows_kernel(DstK, DstV, SrcK, SrcV, DstIdx, SrcIdx, Counts, N, C, PK: tl.constexpr, PV: tl.constexpr,
-                      BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
-    # lists of N rows of C entries, live entries first: only the first Counts[r] of row r are read
+                      BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, P: tl.constexpr):
+    # lists of N rows of C entries, live entries first: only the first Counts[r] of row r are read.
+    # P pieces per load (a [P, BLOCK] tile): P * 4 KiB of zero-copy reads in flight per program,
+    # so a small grid (few SMs taken from the compute stream) still keeps the host link busy
     for r in range(tl.program_id(0), N, tl.num_programs(0)):
         n = tl.load(Counts + r)
         base = r * C                 # N * C = B * H * K entries: far below 2**31
-        for j in range(0, n):
-            di = tl.load(DstIdx + base + j).to(tl.int64)
-            si = tl.load(SrcIdx + base + j).to(tl.int64)
-            live = di >= 0
+        for j in range(0, n, P):
+            e = j + tl.arange(0, P)
+            em = e < n
+            di = tl.load(DstIdx + base + e, mask=em, other=-1).to(tl.int64)
+            si = tl.load(SrcIdx + base + e, mask=em, other=0).to(tl.int64)
+            live = (di >= 0)[:, None]
             for o in tl.static_range(0, PK, BLOCK_K):
                 offs = o + tl.arange(0, BLOCK_K)
-                m = (offs < PK) & live
-                x = tl.load(SrcK + si * PK + offs, mask=m)
-                tl.store(DstK + di * PK + offs, x.to(DstK.dtype.element_ty), mask=m)
+                m = live & (offs < PK)[None, :]
+                x = tl.load(SrcK + si[:, None] * PK + offs[None, :], mask=m)
+                tl.store(DstK + di[:, None] * PK + offs[None, :], x.to(DstK.dtype.element_ty), mask=m)
             for o in tl.static_range(0, PV, BLOCK_V):
                 offs = o + tl.arange(0, BLOCK_V)
-                m = (offs < PV) & live
-                x = tl.load(SrcV + si * PV + offs, mask=m)
-                tl.store(DstV + di * PV + offs, x.to(DstV.dtype.element_ty), mask=m)
+                m = live & (offs < PV)[None, :]
+                x = tl.load(SrcV + si[:, None] * PV + offs[None, :], mask=m)
+                tl.store(DstV + di[:, None] * PV + offs[None, :], x.to(DstV.dtype.element_ty), mask=m)
 
 
 def copy_blocks(dst_k, dst_v, dst_idx, src_k, src_v, src_idx, programs: int = -1, counts=None) -> None:
     """Triton version of :meth:`TorchKVOps.copy_blocks` (same arguments; see there).
 
-    ``programs``: grid size; ``0`` launches one program per piece (fastest alone), a smaller
-    grid loops over the pieces so a copy that overlaps compute on another stream holds fewer
-    SM slots (a zero-copy kernel keeps its SM while it waits on the link); ``-1`` (default):
-    one per two SMs (66 on the H200). On the H200 (docs/benchmarks.md, 2026-12-01) 64 programs
-    beat 32 and two per SM (264) for admission copies overlapping a decode step in a CUDA
-    graph: 3.30 / 3.53 / 3.79 ms per 8-layer step at fetch_cap 8 and 2.63 / 2.64 / 2.80 ms at
-    fetch_cap 2 (fewer programs in flight over PCIe slow the attention kernels less).
+    ``programs``: grid size; ``0`` launches one program per piece (row with ``counts``), a
+    smaller grid loops over them so a copy that overlaps compute on another stream holds fewer
+    SMs (a zero-copy kernel keeps its SM while it waits on the link, and Hopper's GEMMs take a
+    whole SM per CTA, so each SM a copy holds is one the decode step's GEMMs lose); ``-1``
+    (default): one program per two SMs for the flat list (66 on the H200; prefill's prefix read,
+    which overlaps nothing), one per eight SMs for row lists (16 on the H200: the admissions,
+    which overlap the decode step). A row program moves up to ``ROW_TILE_PIECES`` (8) pieces per
+    load, so 16 programs keep ~0.5 MB of reads in flight, enough for the ~50 GB/s host link.
 
     ``counts``: ``[N]`` int32, the lists are ``N`` rows (``plan_transfer``'s output): only the
     first ``counts[n]`` entries of row ``n`` are read, so the dead tail of a row costs nothing;
@@ -102,18 +111,21 @@ def copy_blocks(dst_k, dst_v, dst_idx, src_k, src_v, src_idx, programs: int = -1
         check_range(dst_idx[live], 0, dst_k.shape[0], "dst_idx")
         check_range(src_idx[live], 0, src_k.shape[0], "src_idx")
     PK, PV = dst_k.shape[1], dst_v.shape[1]
-    if programs < 0:
-        programs = max(1, num_sms(dev) // 2)
     if counts is not None:
         N = counts.numel()
         assert N > 0 and M % N == 0 and counts.dtype == torch.int32 and counts.device == dev, \
             (M, counts.shape, counts.dtype)
+        if programs < 0:
+            programs = max(1, num_sms(dev) // 8)
         grid = N if programs == 0 else min(N, programs)
+        bk, bv = min(2048, next_pow2(PK)), min(2048, next_pow2(PV))
         _copy_rows_kernel[(grid,)](
             kernel_arg(dst_k, dev), kernel_arg(dst_v, dev), kernel_arg(src_k, dev), kernel_arg(src_v, dev),
-            dst_idx, src_idx, counts, N, M // N, PK=PK, PV=PV, BLOCK_K=min(2048, next_pow2(PK)),
-            BLOCK_V=min(2048, next_pow2(PV)), num_warps=4)
+            dst_idx, src_idx, counts, N, M // N, PK=PK, PV=PV, BLOCK_K=bk, BLOCK_V=bv,
+            P=max(1, min(ROW_TILE_PIECES, ROW_TILE_ELEMENTS // max(bk, bv))), num_warps=8)
         return
+    if programs < 0:
+        programs = max(1, num_sms(dev) // 2)
     grid = M if programs == 0 else min(M, programs)
     _copy_blocks_kernel[(grid,)](
         kernel_arg(dst_k, dev), kernel_arg(dst_v, dev), kernel_arg(src_k, dev), kernel_arg(src_v, dev),

@@ -52,6 +52,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))     # this checkout's package, not an installed copy
+sys.path.insert(1, str(Path(__file__).resolve().parent))         # profile_trace
 
 from oasis_sglang.config import OasisConfig  # noqa: E402
 from oasis_sglang.sglang_glue.launch import launch, oasis_args  # noqa: E402
@@ -223,8 +224,57 @@ def oasis_figures(lines: list[str], step_ms: float | None) -> dict:
     return res
 
 
+def steady_running(log: str, lines_needed: int = 3) -> int | None:
+    """The running-request count once the decode phase is steady: the last ``lines_needed``
+    ``Decode batch`` lines show the same count, and no earlier line showed more. None before."""
+    counts = [int(n) for n, _ in DECODE.findall(log)]
+    if len(counts) < lines_needed or len(set(counts[-lines_needed:])) != 1 or counts[-1] < max(counts):
+        return None
+    return counts[-1]
+
+
+def profile_steady_decode(srv, tag: str, steps: int, tdir: Path, done, timeout: float = 600) -> dict:
+    """Once ``srv``'s decode phase is steady (``steady_running``), ask SGLang's profiler for
+    ``steps`` forward passes of GPU activity (``POST /start_profile``) and summarise the trace
+    (``profile_trace.summarize``). Runs in a thread beside ``bench_serving``; returns ``{}``
+    when the run ended (``done`` set) before a steady phase, else the summary plus
+    ``running`` (requests running when it started) or ``{"error": ...}``."""
+    import requests
+
+    import profile_trace
+
+    t0 = time.time()
+    while not done.is_set() and time.time() - t0 < timeout:
+        n = steady_running(srv.log())
+        if n:
+            break
+        time.sleep(0.5)
+    else:
+        return {}
+    tdir.mkdir(parents=True, exist_ok=True)
+    try:
+        r = requests.post(srv.url + "/start_profile", json={"output_dir": str(tdir), "num_steps": steps,
+                                                            "activities": ["GPU"], "profile_id": tag}, timeout=300)
+        r.raise_for_status()
+        for _ in range(600):
+            traces = sorted(tdir.glob(f"{tag}*.trace.json*"))
+            if traces:
+                time.sleep(1.0)          # written by the scheduler process: let it finish
+                s = profile_trace.summarize(profile_trace.load_gpu_events(traces[0]), steps)
+                for t in traces:
+                    t.unlink()
+                return {**s, "running": n}
+            time.sleep(0.5)
+        return {"error": f"no trace in {tdir} after the profile"}
+    except Exception as e:  # noqa: BLE001 - the benchmark's figures stand without the profile
+        return {"error": f"{e.__class__.__name__}: {str(e)[:300]}"}
+
+
 def run_one(run: Run, a, out: Path) -> dict:
-    """Start the server of ``run``, benchmark it, stop it; its figures (``error`` when it failed)."""
+    """Start the server of ``run``, benchmark it, stop it; its figures (``error`` when it failed).
+
+    With ``--profile-steps N`` a thread profiles ``N`` steady decode steps meanwhile (result
+    field ``profile``, table ``profile_<run>.md``)."""
     log_path = out / f"server_{run.key.replace('/', '_')}.log"
     base = {"key": run.key, "system": run.system, "input_len": run.input_len, "output_len": run.output_len,
             "batch": run.batch, "pool": run.pool, "fetch_cap": run.fetch_cap, "host_requests": run.host_requests,
@@ -236,7 +286,28 @@ def run_one(run: Run, a, out: Path) -> dict:
         return {**base, "error": f"start failed: {e.__class__.__name__}: {str(e)[:300]}"}
     try:
         res = {**base, "start_s": round(time.time() - t0, 1)}
-        res.update(bench_serving(srv.url, run, out, a.timeout))
+        prof, done = {}, None
+        if a.profile_steps:
+            import threading
+
+            tag = run.key.replace("/", "_")
+            done = threading.Event()
+            th = threading.Thread(target=lambda: prof.update(
+                profile_steady_decode(srv, tag, a.profile_steps, out / ".traces", done)), daemon=True)
+            th.start()
+        try:
+            res.update(bench_serving(srv.url, run, out, a.timeout))
+        finally:
+            if done is not None:
+                done.set()
+                th.join(timeout=300)
+        if prof:
+            res["profile"] = prof
+            if "error" not in prof:
+                import profile_trace
+
+                (out / f"profile_{tag}.md").write_text(
+                    profile_trace.markdown(prof, f"{run.key}, {prof['running']} running") + "\n")
         lines = [(int(n), float(g)) for n, g in DECODE.findall(srv.log())]
         top = max((n for n, _ in lines), default=0)       # prefills stagger arrivals: not always --batch
         full = [g for n, g in lines if n == top][1:] or [g for n, g in lines if n == top]   # first: since the prefill
@@ -315,6 +386,21 @@ def tables(results: list[dict], a) -> str:
                       f"{_f((r.get('median_ttft_ms') or 0) / 1e3 if r.get('median_ttft_ms') else None)} | "
                       f"{_f(r.get('h2d_mb_per_step'))} | {_f(r.get('h2d_gb_s'), 2)} | {_f(r.get('hit_rate'), 3)} | "
                       f"{'-' if ratio is None else f'{ratio:.2f}x'} |")
+        md.append("")
+    prof = [r for r in results if isinstance(r.get("profile"), dict) and "error" not in r["profile"]]
+    if prof:
+        groups = ["GEMMs", "dense attention (SGLang)", "sparse attention", "scoring", "top-K", "admission plan",
+                  "H2D copy", "append + summaries"]
+        md += ["### decode step profile (GPU time per step, SGLang's profiler)", "",
+               "| run | running | window ms | GPU busy | idle ms | " + " | ".join(groups) + " | other |",
+               "|---|---|---|---|---|" + "---|" * (len(groups) + 1)]
+        for r in prof:
+            p = r["profile"]
+            gm = p["groups_ms"]
+            other = sum(v for g, v in gm.items() if g not in groups)
+            md.append(f"| {r['key']} | {p['running']} | {p['window_ms']:.2f} | {100 * p['busy_frac']:.1f}% | "
+                      f"{p['idle_ms']:.2f} | " + " | ".join(f"{gm.get(g, 0.0):.2f}" for g in groups)
+                      + f" | {other:.2f} |")
         md.append("")
     return "\n".join(md)
 
@@ -439,12 +525,17 @@ def main() -> int:
                          "run scaled by context, else --run-estimate); a device call has a hard limit")
     ap.add_argument("--run-estimate", type=float, default=240.0,
                     help="seconds one run takes, for --deadline before a run has been timed")
+    ap.add_argument("--profile-steps", type=int, default=0,
+                    help="also profile this many steady decode steps of each run with SGLang's profiler "
+                         "(GPU time by kernel group and GPU idle time; scripts/profile_trace.py)")
     ap.add_argument("--timeout", type=int, default=900, help="seconds for a server start / one bench_serving run")
     ap.add_argument("--out", default=os.environ.get("OUT", "out") + "/bench_oasis")
     a = ap.parse_args()
     if not math.isfinite(a.run_estimate) or a.run_estimate <= 0 or a.deadline is not None and (
             not math.isfinite(a.deadline) or a.deadline <= 0):
         ap.error("--deadline and --run-estimate must be positive, finite seconds")
+    if a.profile_steps < 0:
+        ap.error(f"--profile-steps must be >= 0, got {a.profile_steps}")
     if a.deadline is not None and a.deadline < a.run_estimate:
         ap.error(f"--deadline {a.deadline:g} is below --run-estimate {a.run_estimate:g}: no run would start")
     for name in ("fetch_caps", "input_lens", "systems"):
@@ -512,6 +603,11 @@ def main() -> int:
             # written after every run: a call cut short keeps what it measured (--resume goes on)
             jpath.write_text(json.dumps({"args": vars(a), "results": results}, indent=1))
             (out / "bench_oasis.md").write_text(tables(results, a) + "\n")
+            mirror = os.environ.get("OASIS_BENCH_MIRROR")   # gpu_smoke.sh: $OUT, kept even if the call is cut
+            if mirror:
+                Path(mirror).mkdir(parents=True, exist_ok=True)
+                for f in ("bench_oasis.json", "bench_oasis.md"):
+                    (Path(mirror) / f).write_bytes((out / f).read_bytes())
     md = tables(results, a)
     (out / "bench_oasis.md").write_text(md + "\n")
     for p in plots(results, out):

@@ -12,7 +12,7 @@
 #   stage 3: carry .gpuhost/kit .gpuhost/c3                    -> bash scripts/gpu_smoke.sh 3 [pytest args]
 #            (TESTS="tests/test_e2e_lookahead.py" picks other test files)
 #   stage 4: carry .gpuhost/kit .gpuhost/model (after stages 1-2) -> bash scripts/gpu_smoke.sh 4 [bench_oasis args]
-#            (scripts/bench_oasis.py on the Qwen3-8B-shaped dummy -> $OUT/bench_oasis/ after every run;
+#            (scripts/bench_oasis.py on the Qwen3-8B-shaped dummy -> $OUT/bench_oasis/: JSON, tables, plots, logs.tgz;
 #             the issue-5 suite takes several calls: copy the returned bench_oasis/ to out/bench_oasis,
 #             carry out/bench_oasis too and pass --resume; --deadline 540 keeps a call inside 600 s)
 # Stage 3 installs this package into /tmp/site, applies the patches there, prepares SmolLM2 and
@@ -62,14 +62,22 @@ case $stage in
     python3 -m pip install -q --no-index --no-deps --no-build-isolation --upgrade --target /tmp/site . 2>&1 | grep -v WARNING || true
     rm -rf build
     python3 -m oasis_sglang.cli patch apply --sglang-root /tmp/site
-    # results accumulate in $OUT/bench_oasis, written after every run, so a call cut short still
-    # returns them; a carried-in out/bench_oasis (the last call's, for --resume) is copied there first
-    R=${OUT:-/tmp/out}/bench_oasis; mkdir -p "$R"
-    if [ -d out/bench_oasis ] && [ "$(cd out/bench_oasis && pwd -P)" != "$(cd "$R" && pwd -P)" ]; then
+    # results accumulate in /tmp/bench_oasis (written after every run); a carried-in
+    # out/bench_oasis (the last call's, for --resume) is copied there first. What comes back
+    # ($OUT/bench_oasis: at most 8 files return from the device tool) is the JSON, the tables,
+    # the plots and one archive of the server logs, bench_serving outputs and profiles.
+    R=/tmp/bench_oasis; mkdir -p "$R"
+    if [ -d out/bench_oasis ]; then
       cp -r out/bench_oasis/. "$R"/ && chmod -R u+w "$R"       # returned files come back read-only
     fi
-    rc=0; python3 scripts/bench_oasis.py --out "$R" "$@" || rc=$?
-    rm -rf "$R"/.bin
+    rc=0; OASIS_BENCH_MIRROR=${OUT:+$OUT/bench_oasis} python3 scripts/bench_oasis.py --out "$R" "$@" || rc=$?
+    rm -rf "$R"/.bin "$R"/.traces
+    if [ -n "${OUT:-}" ]; then
+      mkdir -p "$OUT"/bench_oasis
+      cp "$R"/bench_oasis.json "$R"/bench_oasis.md "$OUT"/bench_oasis/ 2>/dev/null || true
+      cp "$R"/*.png "$OUT"/bench_oasis/ 2>/dev/null || true
+      (cd "$R" && tar czf "$OUT"/bench_oasis/logs.tgz --exclude='*.png' --exclude=logs.tgz --exclude=bench_oasis.json .)
+    fi
     exit $rc
     ;;
 esac

@@ -175,3 +175,65 @@ def test_a_malformed_results_file_is_one_clear_line(bench, monkeypatch, tmp_path
     (tmp_path / "bench_oasis.json").write_text('{"results": [{"key": "short/1024/dense"}]}')
     with pytest.raises(SystemExit, match="not a bench_oasis results file"):
         _main(bench, monkeypatch, "--plot-only", "--out", str(tmp_path))
+
+
+def test_steady_running_waits_for_the_decode_phase(bench):
+    line = "[x] Decode batch, #running-req: {}, #token: 1, token usage: 0.1, gen throughput (token/s): 100.0, #queue-req: 0"
+    log = "\n".join(line.format(n) for n in (3, 8, 8))
+    assert bench.steady_running(log) is None                     # two lines at 8: not yet
+    assert bench.steady_running(log + "\n" + line.format(8)) == 8
+    assert bench.steady_running(log + "\n" + "\n".join(line.format(5) for _ in range(3))) is None   # past the peak
+
+
+def _trace(tmp_path, events, gz=True):
+    import gzip
+    import json
+
+    p = tmp_path / ("t.trace.json.gz" if gz else "t.json")
+    data = json.dumps({"traceEvents": events})
+    if gz:
+        with gzip.open(p, "wt") as f:
+            f.write(data)
+    else:
+        p.write_text(data)
+    return p
+
+
+def test_profile_trace_splits_device_time(tmp_path):
+    """Busy time is the union over streams; idle is the rest of the window; kernels go to their
+    groups (SGLang's _fwd_* decode attention is not OasisKV's _stage1); CPU events are ignored."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import profile_trace as pt
+
+    k = lambda name, stream, ts, dur: {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur,  # noqa: E731
+                                       "args": {"stream": stream}}
+    ev = [k("nvjet_tst_128x64", 7, 0, 400), k("_fwd_grouped_kernel_stage1", 7, 400, 100),
+          k("_stage1", 7, 600, 100), k("_score_kernel", 20, 450, 200),          # overlaps the compute stream
+          k("_copy_rows_kernel", 21, 900, 100),                                  # idle from 700 to 900
+          {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5000},
+          {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD", "ts": 1000, "dur": 0, "args": {"stream": 7}}]
+    s = pt.summarize(pt.load_gpu_events(_trace(tmp_path, ev)), steps=2)
+    assert s["kernels"] == 6
+    assert s["window_ms"] == pytest.approx(1.0 / 2)                # 0 .. 1000 us over 2 steps
+    assert s["busy_ms"] == pytest.approx(0.8 / 2)                  # [0, 700) and [900, 1000)
+    assert s["idle_ms"] == pytest.approx(0.2 / 2) and s["busy_frac"] == pytest.approx(0.8)
+    g = s["groups_ms"]
+    assert g["GEMMs"] == pytest.approx(0.2) and g["dense attention (SGLang)"] == pytest.approx(0.05)
+    assert g["sparse attention"] == pytest.approx(0.05) and g["scoring"] == pytest.approx(0.1)
+    assert g["H2D copy"] == pytest.approx(0.05)
+    assert s["streams_ms"]["7"] == pytest.approx(0.3)
+    assert "| scoring | 0.100 |" in pt.markdown(s)
+
+
+def test_profile_trace_rejects_what_it_cannot_read(tmp_path, capsys):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import profile_trace as pt
+
+    with pytest.raises(ValueError, match="no GPU kernels"):
+        pt.summarize(pt.load_gpu_events(_trace(tmp_path, [{"ph": "X", "cat": "cpu_op", "name": "a", "ts": 0, "dur": 1}])), 1)
+    bad = tmp_path / "bad.json"
+    bad.write_text("[1, 2")
+    assert pt.main([str(bad), "--steps", "1"]) == 2
+    assert "not JSON" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="steps"):
+        pt.summarize([("k", 1, 0.0, 1.0)], 0)

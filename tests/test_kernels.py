@@ -289,10 +289,11 @@ def test_copy_blocks_exact(seed, direction, programs):
     assert torch.equal(dst[0].cpu(), want_k) and torch.equal(dst[1].cpu(), want_v)
 
 
-@pytest.mark.parametrize("programs", [0, 3])
-def test_copy_blocks_rows_read_only_the_counted_entries(seed, programs):
-    """Row lists (``plan_transfer``'s output): entries past ``counts[n]`` are never read, even if live."""
-    piece, Ns, Nd, N, C = 16 * 8, 50, 40, 5, 6
+@pytest.mark.parametrize("programs,C", [(0, 6), (3, 6), (-1, 20)])
+def test_copy_blocks_rows_read_only_the_counted_entries(seed, programs, C):
+    """Row lists (``plan_transfer``'s output): entries past ``counts[n]`` are never read, even if live.
+    C = 20 entries per row: a program moves a row in tiles of up to 8 pieces (three tiles)."""
+    piece, Ns, Nd, N = 16 * 8, 50, 120, 5
     src_k, src_v = host_tensor((Ns, piece), torch.float32), host_tensor((Ns, piece), torch.float32)
     dst_k, dst_v = torch.randn(Nd, piece).to(DEV), torch.randn(Nd, piece).to(DEV)
     di = torch.randperm(Nd)[:N * C].view(N, C)

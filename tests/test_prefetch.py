@@ -249,6 +249,39 @@ def test_reset_rows_drops_predictions_and_slots(seed):
     assert int(eng._pred_seq[2]) == run.t + 1
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="streams exist only on CUDA")
+@pytest.mark.gpu
+def test_reset_from_another_stream_waits_for_the_forward(seed):
+    """SGLang's overlap scheduler frees a finished request from its own stream while the forward
+    that still decodes it is queued on the forward stream: the reset must land after that
+    forward's writes to the row. The forward (Triton kernels: no host sync while it is queued)
+    is held back on its stream by a spin, so without the ordering the reset runs first."""
+    from oasis_sglang.kernels import get_kv_ops
+
+    cfg = OasisConfig(budget_tokens=16, block_size=BS, sink_blocks=1, recent_blocks=2, dense_layers=(0,),
+                      fetch_cap=2, predictor="current")
+    eng = OasisSparseKV(cfg, 3, 1024, 4, H, D, D, torch.float32, "cuda", ops=get_kv_ops("triton"))
+    run = Run(eng, [1, 2], 20, 30, "cuda")
+    run.prefill()
+    run.step()
+    t = run.t
+    rows, seq, loc = run.rows.cuda(), torch.full((2,), t + 1, device="cuda"), run.loc(t)
+    x = {l: (run.Q[l][:, t].cuda(), run.K[l][:, t].cuda(), run.V[l][:, t].cuda()) for l in eng.sparse_layers}
+    torch.cuda.synchronize()
+    fwd, sched = torch.cuda.Stream(), torch.cuda.Stream()
+    with torch.cuda.stream(fwd):
+        torch.cuda._sleep(200_000_000)   # ~0.1 s
+        for l in eng.sparse_layers:      # rewrites rows 1 and 2's block tables and slots
+            q, k, v = x[l]
+            eng.write_kv(l, loc, k, v, decode=True)
+            eng.decode_attention(l, q, k, v, rows, seq, run.rt, None, t + 1)
+    with torch.cuda.stream(sched):
+        eng.reset_rows([1])
+    torch.cuda.synchronize()
+    assert (eng.ws.ids[:, 1] == -1).all(), "the reset ran before the forward that was still writing the row"
+    assert (eng.ws.ids[:, 2] >= 0).any() and int(eng._pred_seq[1]) == -1
+
+
 def test_agreement_measurement(seed):
     """budget >= context: the prediction holds the whole true top-K (agreement 1.0); with fresh
     random queries each step and a small budget it cannot (agreement < 1)."""

@@ -26,7 +26,9 @@ def test_none_leaves_sglang_alone(model):
 def test_oasis_sets_dependent_defaults(model):
     a = make(model, kv_sparse="oasis", kv_sparse_config='{"budget_tokens": 512, "block_size": 8}')
     assert a.page_size == 8 and a.attention_backend == "torch_native"
-    assert a.disable_cuda_graph and a.disable_overlap_schedule
+    assert a.disable_cuda_graph and not a.disable_overlap_schedule
+    # the overlap scheduler stays on; its next writes to req_to_token wait for the whole forward
+    assert os.environ["SGLANG_FORCE_COARSE_WAR_BARRIER"] == "1"
     assert a.max_running_requests == 64
     # admission reserves prompt + max_new_tokens: SGLang's new-token ratio pinned at 1.0
     assert a.schedule_conservativeness * float(os.environ["SGLANG_INIT_NEW_TOKEN_RATIO"]) >= 1.0
@@ -84,6 +86,12 @@ def test_draft_defaults_and_backend(model):
     a = make(model, kv_sparse="oasis", speculative_algorithm="EAGLE3")
     assert (a.speculative_num_steps, a.speculative_eagle_topk, a.speculative_num_draft_tokens) == (1, 1, 2)
     assert a.attention_backend == "intel_amx" and a.dtype == "float32"
+    assert a.disable_overlap_schedule            # no overlap scheduler with the paired forward
+
+
+def test_overlap_scheduler_can_still_be_turned_off(model):
+    a = make(model, kv_sparse="oasis", disable_overlap_schedule=True)
+    assert a.disable_overlap_schedule
 
 
 def test_simulated_acceptance_is_refused(model, monkeypatch):

@@ -130,6 +130,7 @@ class OasisSparseKV:
         self._pred_wanted = (torch.full((L, num_rows, head_num, cfg.budget_blocks), -1, dtype=torch.int64,
                                         device=self.device) if cfg.measure_agreement else None)
         self._block_bytes = self.bs * (head_dim + v_head_dim) * torch.empty((), dtype=dtype).element_size()
+        self._fwd_stream = None            # stream of the last forward (CUDA), see ``reset_rows``
 
     @staticmethod
     def memory_plan(cfg: OasisConfig, num_layers: int, num_tokens: int, num_rows: int, head_num: int,
@@ -182,6 +183,7 @@ class OasisSparseKV:
             ``[T, Hq, Dv]``.
         """
         li = self.index[layer_id]
+        self._note_forward_stream()
         out = q.new_empty((q.shape[0], q.shape[1], self.v_head_dim))
         rows_c, pre_c, ext_c = rows.tolist(), prefix_lens.tolist(), extend_lens.tolist()
         start = 0
@@ -339,6 +341,7 @@ class OasisSparseKV:
                 self._step_d += 1
                 self._sync_step = False
             else:
+                self._note_forward_stream()
                 self._begin_step(li, rows_d, seq, host)
         self._last_li = li
         seq_m1, seq_p1, step_next = self._step_values(seq_lens, seq)
@@ -433,6 +436,7 @@ class OasisSparseKV:
                              f"{seq_lens_host!r}") from None
         if len(rows_l) != len(seq_l):
             raise ValueError(f"graph_step: {len(rows_l)} rows but {len(seq_l)} lengths")
+        self._note_forward_stream(replay=True)    # the replay runs on the caller's stream
         self.pipe.join()
         self.pipe.forget_waits()                  # exposed waits are timed on eager steps only
         self._last_step_timed = False
@@ -557,14 +561,32 @@ class OasisSparseKV:
     def reset_rows(self, rows) -> None:
         """Free the working set of finished (or newly allocated) request rows.
 
-        Waits (on the device) for every prefetch in flight first, so no stage still writes the
-        rows' slots or reads their host pages when they are reused."""
+        Waits (on the device) for every prefetch in flight and for the last forward first, so no
+        stage still writes the rows' slots or reads their host pages when they are reused. The
+        last forward matters under SGLang's overlap scheduler: it frees a finished request from
+        its own stream while the next batch, which still holds that request for one step, runs
+        on the forward stream."""
+        self._after_forward()
         self.pipe.drain()
         self.ws.reset_rows(rows)
         self._pred_seq[torch.as_tensor(rows, dtype=torch.int64, device=self.device)] = -1
         if self._pred_host is not None:
             for r in torch.as_tensor(rows).reshape(-1).tolist():
                 self._pred_host.pop(int(r), None)
+
+    def _note_forward_stream(self, replay: bool = False) -> None:
+        """Remember the stream the current forward runs on (CUDA; a capture's stream is not the
+        one its replays run on, so only eager calls and ``graph_step`` before a replay count)."""
+        if self.device.type == "cuda" and (replay or not self.graph_mode):
+            self._fwd_stream = torch.cuda.current_stream(self.device)
+
+    def _after_forward(self) -> None:
+        """Order the current stream after the last forward's stream (no host sync)."""
+        fs = self._fwd_stream
+        if fs is not None:
+            cur = torch.cuda.current_stream(self.device)
+            if cur != fs:
+                cur.wait_stream(fs)
 
     def residency(self) -> dict:
         """KV residency of the last decode step and memory sizes (bytes). Reads the device counters.

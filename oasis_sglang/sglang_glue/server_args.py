@@ -32,8 +32,8 @@ def handle_kv_sparse_args(args) -> OasisConfig:
 
     Sets ``page_size`` to ``block_size`` and the attention backend to ``torch_native`` on CPU
     when they are unset, captures only decode steps in CUDA graphs (none on CPU or with a
-    draft; ``_cuda_graph_args``), disables overlap scheduling, makes admission reserve prompt + max_new_tokens in the
-    token pool (= host tier), bounds ``--max-running-requests`` (default 64), and stores the
+    draft; ``_cuda_graph_args``), keeps overlap scheduling only without a draft (``_overlap_args``),
+    makes admission reserve prompt + max_new_tokens in the token pool (= host tier), bounds ``--max-running-requests`` (default 64), and stores the
     normalised config JSON back in ``args.kv_sparse_config``.
 
     Raises:
@@ -148,14 +148,41 @@ def handle_kv_sparse_args(args) -> OasisConfig:
     if args.schedule_conservativeness * init_ratio < 1.0:
         args.schedule_conservativeness = 1.01 / init_ratio
     os.environ["SGLANG_MIN_NEW_TOKEN_RATIO_FACTOR"] = "1.0"
-    if not getattr(args, "disable_overlap_schedule", True):
-        # overlap scheduling frees a finished request while the next batch may still run it
-        logger.info("OasisKV: disabling the overlap scheduler (working sets are freed with requests)")
-        args.disable_overlap_schedule = True
+    _overlap_args(args, bool(spec))
     _cuda_graph_args(args, cpu)
     args.kv_sparse_config = cfg.to_json()
     logger.info("OasisKV enabled: %s", args.kv_sparse_config)
     return cfg
+
+
+def _overlap_args(args, spec: bool) -> None:
+    """SGLang's overlap scheduler with OasisKV (``Scheduler.event_loop_overlap``).
+
+    Kept on without a draft: the scheduler prepares batch ``t+1`` on the host while batch ``t``
+    runs, so its CPU time (batch assembly, result processing, graph input copies) leaves the
+    decode step. Two orderings make that safe for the OasisKV state:
+
+    * ``SGLANG_FORCE_COARSE_WAR_BARRIER=1``: after each launch the scheduler's stream waits for
+      the whole forward, not only for the decode graph's pre-replay snapshot of its inputs
+      (``DecodeCudaGraphRunner.execute``'s read-done event), because the captured OasisKV
+      kernels read ``req_to_token`` during the replay (block pages for admissions and
+      write-back): the next batch's writes to that table must not overtake them.
+    * a finished request's working set is reset on the scheduler's stream after that wait and
+      after every prefetch stream (``OasisSparseKV.reset_rows``), so the extra step the overlap
+      scheduler runs for a request that has just finished still sees its rows intact.
+
+    Turned off with a draft model: SGLang's overlapped speculative worker (spec v2) publishes
+    results mid-forward and the paired forward's probe hooks are tested without it.
+    """
+    if spec:
+        if not getattr(args, "disable_overlap_schedule", True):
+            logger.info("OasisKV: disabling the overlap scheduler (speculative paired forward)")
+        args.disable_overlap_schedule = True
+        return
+    if not getattr(args, "disable_overlap_schedule", False):
+        os.environ["SGLANG_FORCE_COARSE_WAR_BARRIER"] = "1"
+        logger.info("OasisKV: overlap scheduler on (SGLANG_FORCE_COARSE_WAR_BARRIER=1: the scheduler's next "
+                    "writes to req_to_token wait for the whole forward, whose OasisKV kernels read it)")
 
 
 def _cuda_graph_config(args) -> dict:
