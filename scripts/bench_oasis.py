@@ -244,8 +244,9 @@ def profile_steady_decode(srv, tag: str, steps: int, tdir: Path, done, timeout: 
     import profile_trace
 
     t0 = time.time()
+    start = len(srv.log())              # only the benchmark's decode lines (not the warm-up request's)
     while not done.is_set() and time.time() - t0 < timeout:
-        n = steady_running(srv.log())
+        n = steady_running(srv.log()[start:])
         if n:
             break
         time.sleep(0.5)
@@ -256,16 +257,22 @@ def profile_steady_decode(srv, tag: str, steps: int, tdir: Path, done, timeout: 
         r = requests.post(srv.url + "/start_profile", json={"output_dir": str(tdir), "num_steps": steps,
                                                             "activities": ["GPU"], "profile_id": tag}, timeout=300)
         r.raise_for_status()
+        last_err = None
         for _ in range(600):
             traces = sorted(tdir.glob(f"{tag}*.trace.json*"))
             if traces:
-                time.sleep(1.0)          # written by the scheduler process: let it finish
-                s = profile_trace.summarize(profile_trace.load_gpu_events(traces[0]), steps)
+                # the scheduler process writes the gzip file: read it once it is whole
+                try:
+                    s = profile_trace.summarize(profile_trace.load_gpu_events(traces[0]), steps)
+                except (EOFError, OSError, ValueError) as e:
+                    last_err = e
+                    time.sleep(1.0)
+                    continue
                 for t in traces:
                     t.unlink()
                 return {**s, "running": n}
             time.sleep(0.5)
-        return {"error": f"no trace in {tdir} after the profile"}
+        return {"error": f"no readable trace in {tdir} after the profile ({last_err!r})"}
     except Exception as e:  # noqa: BLE001 - the benchmark's figures stand without the profile
         return {"error": f"{e.__class__.__name__}: {str(e)[:300]}"}
 

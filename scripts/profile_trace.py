@@ -135,7 +135,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     try:
         s = summarize(load_gpu_events(a.trace), a.steps)
-    except (OSError, ValueError) as e:
+    except (OSError, EOFError, ValueError) as e:        # EOFError: a gzip file cut short
         print(f"profile_trace: {e}", file=sys.stderr)
         return 2
     md = markdown(s, Path(a.trace).name)
