@@ -54,7 +54,7 @@ def _copy_rows_kernel(DstK, DstV, SrcK, SrcV, DstIdx, SrcIdx, Counts, N, C, PK: 
     # P pieces per load (a [P, BLOCK] tile): P * 4 KiB of zero-copy reads in flight per program,
     # so a small grid (few SMs taken from the compute stream) still keeps the host link busy
     for r in range(tl.program_id(0), N, tl.num_programs(0)):
-        n = tl.load(Counts + r)
+        n = tl.minimum(tl.load(Counts + r), C)   # a count past the row's length stays in the row
         base = r * C                 # N * C = B * H * K entries: far below 2**31
         for j in range(0, n, P):
             e = j + tl.arange(0, P)

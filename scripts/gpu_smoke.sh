@@ -66,9 +66,11 @@ case $stage in
     # out/bench_oasis (the last call's, for --resume) is copied there first. What comes back
     # ($OUT/bench_oasis: at most 8 files return from the device tool) is the JSON, the tables,
     # the plots and one archive of the server logs, bench_serving outputs and profiles.
-    R=/tmp/bench_oasis; mkdir -p "$R"
+    # (emptied first: on a warm host it still holds the last call's files, which must not come back as this call's)
+    R=/tmp/bench_oasis; rm -rf "$R"; mkdir -p "$R"
     if [ -d out/bench_oasis ]; then
-      cp -r out/bench_oasis/. "$R"/ && chmod -R u+w "$R"       # returned files come back read-only
+      cp -r out/bench_oasis/. "$R"/ || { echo "gpu_smoke: cannot copy out/bench_oasis for --resume"; exit 2; }
+      chmod -R u+w "$R"                                        # returned files come back read-only
     fi
     rc=0; OASIS_BENCH_MIRROR=${OUT:+$OUT/bench_oasis} python3 scripts/bench_oasis.py --out "$R" "$@" || rc=$?
     rm -rf "$R"/.bin "$R"/.traces
@@ -76,7 +78,8 @@ case $stage in
       mkdir -p "$OUT"/bench_oasis
       cp "$R"/bench_oasis.json "$R"/bench_oasis.md "$OUT"/bench_oasis/ 2>/dev/null || true
       cp "$R"/*.png "$OUT"/bench_oasis/ 2>/dev/null || true
-      (cd "$R" && tar czf "$OUT"/bench_oasis/logs.tgz --exclude='*.png' --exclude=logs.tgz --exclude=bench_oasis.json .)
+      (cd "$R" && tar czf "$OUT"/bench_oasis/logs.tgz --exclude='*.png' --exclude=logs.tgz --exclude=bench_oasis.json .) \
+        || echo "gpu_smoke: could not archive the logs (tar exit $?); the results are in $OUT/bench_oasis"
     fi
     exit $rc
     ;;

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -52,27 +53,38 @@ def group_of(name: str) -> str:
 
 
 def load_gpu_events(path: str | Path) -> list[tuple[str, object, float, float]]:
-    """``[(name, stream, start_us, dur_us)]`` of the GPU events of a Chrome trace (``.json`` or ``.json.gz``).
+    """``[(name, stream, start_us, dur_us)]`` of the GPU events of a Chrome trace (plain or gzip
+    JSON, told apart by the gzip magic bytes).
 
     Raises:
-        ValueError: the file is not a Chrome trace (no ``traceEvents`` list).
+        OSError / EOFError: the file cannot be read, or a gzip file ends early (still being written).
+        ValueError: not a Chrome trace (no ``traceEvents`` list), or a GPU event whose ``ts`` /
+            ``dur`` is missing, not a finite number, or a negative duration (names the event).
     """
     path = Path(path)
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt") as f:
-        try:
+    with open(path, "rb") as f:
+        gz = f.read(2) == b"\x1f\x8b"
+    try:
+        with (gzip.open(path, "rt") if gz else open(path, "rt")) as f:
             d = json.load(f)
-        except ValueError as e:
-            raise ValueError(f"{path}: not JSON ({e})") from None
+    except ValueError as e:
+        raise ValueError(f"{path}: not JSON ({e})") from None
+    except EOFError as e:
+        raise EOFError(f"{path}: the gzip file ends early ({e})") from None
     ev = d.get("traceEvents") if isinstance(d, dict) else d
     if not isinstance(ev, list):
         raise ValueError(f"{path}: not a Chrome trace (no traceEvents list)")
     out = []
-    for e in ev:
-        if isinstance(e, dict) and e.get("ph") == "X" and e.get("cat") in _GPU_CATS and "dur" in e:
-            args = e.get("args") or {}
-            stream = args.get("stream", e.get("tid"))
-            out.append((str(e.get("name", "")), stream, float(e["ts"]), float(e["dur"])))
+    for i, e in enumerate(ev):
+        if not (isinstance(e, dict) and e.get("ph") == "X" and e.get("cat") in _GPU_CATS):
+            continue
+        ts, dur = e.get("ts"), e.get("dur")
+        if not all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in (ts, dur)) \
+                or dur < 0:
+            raise ValueError(f"{path}: GPU event {i} ({e.get('name')!r}) has ts={ts!r}, dur={dur!r}: "
+                             f"want finite numbers and dur >= 0")
+        args = e.get("args") if isinstance(e.get("args"), dict) else {}
+        out.append((str(e.get("name", "")), args.get("stream", e.get("tid")), float(ts), float(dur)))
     return out
 
 
@@ -117,11 +129,12 @@ def summarize(events: list[tuple[str, object, float, float]], steps: int) -> dic
 
 def markdown(s: dict, title: str = "decode step") -> str:
     """A markdown table of ``summarize``'s result."""
+    share = lambda v: f"{100 * v / s['window_ms']:.1f}%" if s["window_ms"] > 0 else "-"  # noqa: E731
     md = [f"{title}: {s['steps']} steps, {s['kernels']} GPU events; per step: window {s['window_ms']:.2f} ms, "
           f"GPU busy {s['busy_ms']:.2f} ms ({100 * s['busy_frac']:.1f}%), idle {s['idle_ms']:.2f} ms", "",
           "| kernel group | ms per step | share of window |", "|---|---|---|"]
     for g, v in s["groups_ms"].items():
-        md.append(f"| {g} | {v:.3f} | {100 * v / s['window_ms']:.1f}% |")
+        md.append(f"| {g} | {v:.3f} | {share(v)} |")
     md += ["", "| stream | kernel ms per step |", "|---|---|"]
     md += [f"| {k} | {v:.3f} |" for k, v in s["streams_ms"].items()]
     return "\n".join(md)
@@ -135,12 +148,12 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     try:
         s = summarize(load_gpu_events(a.trace), a.steps)
+        md = markdown(s, Path(a.trace).name)
+        if a.out:
+            Path(a.out).write_text(md + "\n")
     except (OSError, EOFError, ValueError) as e:        # EOFError: a gzip file cut short
         print(f"profile_trace: {e}", file=sys.stderr)
         return 2
-    md = markdown(s, Path(a.trace).name)
-    if a.out:
-        Path(a.out).write_text(md + "\n")
     print(md)
     return 0
 

@@ -237,3 +237,45 @@ def test_profile_trace_rejects_what_it_cannot_read(tmp_path, capsys):
     assert "not JSON" in capsys.readouterr().err
     with pytest.raises(ValueError, match="steps"):
         pt.summarize([("k", 1, 0.0, 1.0)], 0)
+
+
+def test_profile_trace_refuses_bad_events_naming_them(tmp_path, capsys):
+    """Negative, missing or non-finite times are refused naming the event; a gzip file cut short
+    (still being written by SGLang's scheduler) is an EOFError the caller retries; plain JSON is
+    read whatever its suffix; a zero-length window still formats."""
+    import gzip
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import profile_trace as pt
+
+    k = {"ph": "X", "cat": "kernel", "name": "nvjet", "ts": 0, "dur": 5, "args": [1]}     # args not a dict: no stream
+    assert pt.load_gpu_events(_trace(tmp_path, [k]))[0][1] is None
+    for bad in ({"dur": -1}, {"dur": None}, {"ts": float("nan")}, {"ts": "x"}):
+        with pytest.raises(ValueError, match="GPU event 0"):
+            pt.load_gpu_events(_trace(tmp_path, [{**k, **bad}]))
+    no_ts = dict(k)
+    del no_ts["ts"]
+    with pytest.raises(ValueError, match="ts=None"):
+        pt.load_gpu_events(_trace(tmp_path, [no_ts]))
+    plain = _trace(tmp_path, [k], gz=False).rename(tmp_path / "plain.trace.json.gz")
+    assert len(pt.load_gpu_events(plain)) == 1
+    whole = _trace(tmp_path, [k] * 50)
+    cut = tmp_path / "cut.trace.json.gz"
+    cut.write_bytes(whole.read_bytes()[:40])
+    with pytest.raises(EOFError, match="cut.trace.json.gz"):
+        pt.load_gpu_events(cut)
+    s = pt.summarize([("nvjet", 1, 10.0, 0.0)], 1)
+    assert s["window_ms"] == 0 and "| GEMMs | 0.000 | - |" in pt.markdown(s)
+    assert pt.main([str(whole), "--steps", "1", "--out", str(tmp_path / "no" / "such" / "dir.md")]) == 2
+    assert "No such file" in capsys.readouterr().err
+
+
+def test_tables_skip_a_malformed_stored_profile(bench):
+    a = _args(bench)
+    a.suite = "short"
+    good = {"running": 8, "window_ms": 6.0, "busy_frac": 0.9, "idle_ms": 0.6, "groups_ms": {"GEMMs": 4.0}}
+    res = [{"key": "short/1024/dense", "system": "dense", "decode_tok_s": 100.0, "profile": good},
+           {"key": "short/1024/oasis", "system": "oasis", "decode_tok_s": 90.0, "profile": {"running": 8}}]
+    md = bench.tables(res, a)
+    assert "| short/1024/dense | 8 | 6.00 | 90.0% | 0.60 | 4.00 |" in md
+    assert "| short/1024/oasis | 8 | 6.00" not in md

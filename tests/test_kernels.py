@@ -299,9 +299,10 @@ def test_copy_blocks_rows_read_only_the_counted_entries(seed, programs, C):
     di = torch.randperm(Nd)[:N * C].view(N, C)
     si = torch.randint(0, Ns, (N, C))
     counts = torch.randint(0, C + 1, (N,), dtype=torch.int32)
+    counts[0] = C + 3                 # past the row's length: the row's C entries, nothing of the next row
     want_k, want_v = dst_k.clone().cpu(), dst_v.clone().cpu()
     for n in range(N):
-        c = int(counts[n])
+        c = min(int(counts[n]), C)
         want_k[di[n, :c]] = src_k.cpu()[si[n, :c]]
         want_v[di[n, :c]] = src_v.cpu()[si[n, :c]]
     ref_k, ref_v = dst_k.clone(), dst_v.clone()

@@ -23,12 +23,14 @@ def test_none_leaves_sglang_alone(model):
     assert a.kv_sparse == "none" and a.page_size == 1
 
 
-def test_oasis_sets_dependent_defaults(model):
+def test_oasis_sets_dependent_defaults(model, monkeypatch):
+    monkeypatch.setenv("SGLANG_FORCE_COARSE_WAR_BARRIER", "0")      # a user's value is replaced (and restored after)
+    monkeypatch.delenv("SGLANG_ENABLE_WAR_BARRIER", raising=False)
     a = make(model, kv_sparse="oasis", kv_sparse_config='{"budget_tokens": 512, "block_size": 8}')
     assert a.page_size == 8 and a.attention_backend == "torch_native"
     assert a.disable_cuda_graph and not a.disable_overlap_schedule
     # the overlap scheduler stays on; its next writes to req_to_token wait for the whole forward
-    assert os.environ["SGLANG_FORCE_COARSE_WAR_BARRIER"] == "1"
+    assert os.environ["SGLANG_FORCE_COARSE_WAR_BARRIER"] == "1" and os.environ["SGLANG_ENABLE_WAR_BARRIER"] == "1"
     assert a.max_running_requests == 64
     # admission reserves prompt + max_new_tokens: SGLang's new-token ratio pinned at 1.0
     assert a.schedule_conservativeness * float(os.environ["SGLANG_INIT_NEW_TOKEN_RATIO"]) >= 1.0
@@ -56,6 +58,7 @@ def test_oasis_sets_dependent_defaults(model):
     (dict(speculative_algorithm="STANDALONE", speculative_draft_attention_backend="torch_native"),
      "--speculative-draft-attention-backend"),
     (dict(enable_mixed_chunk=True), "--enable-mixed-chunk"),
+    (dict(enable_pdmux=True), "--enable-pdmux"),
     (dict(kv_cache_dtype="fp8_e4m3"), "--kv-cache-dtype"),
 ])
 def test_bad_combinations_name_the_flag(model, kw, key):

@@ -124,7 +124,7 @@ def handle_kv_sparse_args(args) -> OasisConfig:
     if str(getattr(args, "kv_cache_dtype", "auto")) not in ("auto", "bfloat16", "float16", "bf16", "fp16"):
         bad("--kv-cache-dtype", f"{args.kv_cache_dtype!r} is not supported (auto, bfloat16 or float16)")
     for flag in ("enable_hierarchical_cache", "enable_hisparse", "enable_mixed_chunk", "enable_dp_attention",
-                 "enable_torch_compile"):
+                 "enable_torch_compile", "enable_pdmux"):
         if getattr(args, flag, False):
             bad("--" + flag.replace("_", "-"), "cannot be combined")
     if getattr(args, "disaggregation_mode", "null") not in (None, "null"):
@@ -162,7 +162,9 @@ def _overlap_args(args, spec: bool) -> None:
     runs, so its CPU time (batch assembly, result processing, graph input copies) leaves the
     decode step. Two orderings make that safe for the OasisKV state:
 
-    * ``SGLANG_FORCE_COARSE_WAR_BARRIER=1``: after each launch the scheduler's stream waits for
+    * ``SGLANG_FORCE_COARSE_WAR_BARRIER=1`` (and ``SGLANG_ENABLE_WAR_BARRIER=1``, which SGLang
+      otherwise infers from ``torch.version.cuda``; a user's other value is replaced with a
+      warning): after each launch the scheduler's stream waits for
       the whole forward, not only for the decode graph's pre-replay snapshot of its inputs
       (``DecodeCudaGraphRunner.execute``'s read-done event), because the captured OasisKV
       kernels read ``req_to_token`` during the replay (block pages for admissions and
@@ -180,7 +182,11 @@ def _overlap_args(args, spec: bool) -> None:
         args.disable_overlap_schedule = True
         return
     if not getattr(args, "disable_overlap_schedule", False):
-        os.environ["SGLANG_FORCE_COARSE_WAR_BARRIER"] = "1"
+        for var in ("SGLANG_FORCE_COARSE_WAR_BARRIER", "SGLANG_ENABLE_WAR_BARRIER"):
+            if os.environ.get(var, "1") not in ("1", "true", "True"):
+                logger.warning("OasisKV: %s=%s replaced by 1: the overlap scheduler needs the barrier with "
+                               "--kv-sparse oasis (or pass --disable-overlap-schedule)", var, os.environ[var])
+            os.environ[var] = "1"
         logger.info("OasisKV: overlap scheduler on (SGLANG_FORCE_COARSE_WAR_BARRIER=1: the scheduler's next "
                     "writes to req_to_token wait for the whole forward, whose OasisKV kernels read it)")
 
