@@ -30,7 +30,8 @@ def test_oasis_sets_dependent_defaults(model, monkeypatch):
     assert a.page_size == 8 and a.attention_backend == "torch_native"
     assert a.disable_cuda_graph and not a.disable_overlap_schedule
     # the overlap scheduler stays on; its next writes to req_to_token wait for the whole forward
-    assert os.environ["SGLANG_FORCE_COARSE_WAR_BARRIER"] == "1" and os.environ["SGLANG_ENABLE_WAR_BARRIER"] == "1"
+    assert os.environ["SGLANG_FORCE_COARSE_WAR_BARRIER"] == "1"
+    assert "SGLANG_ENABLE_WAR_BARRIER" not in os.environ        # the CPU engine keeps SGLang's own choice
     assert a.max_running_requests == 64
     # admission reserves prompt + max_new_tokens: SGLang's new-token ratio pinned at 1.0
     assert a.schedule_conservativeness * float(os.environ["SGLANG_INIT_NEW_TOKEN_RATIO"]) >= 1.0
@@ -90,6 +91,23 @@ def test_draft_defaults_and_backend(model):
     assert (a.speculative_num_steps, a.speculative_eagle_topk, a.speculative_num_draft_tokens) == (1, 1, 2)
     assert a.attention_backend == "intel_amx" and a.dtype == "float32"
     assert a.disable_overlap_schedule            # no overlap scheduler with the paired forward
+
+
+def test_overlap_barrier_on_a_gpu(monkeypatch):
+    """On a GPU the WAR barrier is forced on and coarse, whatever the user's environment said."""
+    from types import SimpleNamespace
+
+    from oasis_sglang.sglang_glue.server_args import _overlap_args
+
+    monkeypatch.setenv("SGLANG_ENABLE_WAR_BARRIER", "0")
+    monkeypatch.delenv("SGLANG_FORCE_COARSE_WAR_BARRIER", raising=False)
+    a = SimpleNamespace(disable_overlap_schedule=False)
+    _overlap_args(a, spec=False, cpu=False)
+    assert not a.disable_overlap_schedule
+    assert os.environ["SGLANG_ENABLE_WAR_BARRIER"] == os.environ["SGLANG_FORCE_COARSE_WAR_BARRIER"] == "1"
+    a = SimpleNamespace(disable_overlap_schedule=False)
+    _overlap_args(a, spec=True, cpu=False)
+    assert a.disable_overlap_schedule
 
 
 def test_overlap_scheduler_can_still_be_turned_off(model):

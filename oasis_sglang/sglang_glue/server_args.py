@@ -148,22 +148,22 @@ def handle_kv_sparse_args(args) -> OasisConfig:
     if args.schedule_conservativeness * init_ratio < 1.0:
         args.schedule_conservativeness = 1.01 / init_ratio
     os.environ["SGLANG_MIN_NEW_TOKEN_RATIO_FACTOR"] = "1.0"
-    _overlap_args(args, bool(spec))
+    _overlap_args(args, bool(spec), cpu)
     _cuda_graph_args(args, cpu)
     args.kv_sparse_config = cfg.to_json()
     logger.info("OasisKV enabled: %s", args.kv_sparse_config)
     return cfg
 
 
-def _overlap_args(args, spec: bool) -> None:
+def _overlap_args(args, spec: bool, cpu: bool = False) -> None:
     """SGLang's overlap scheduler with OasisKV (``Scheduler.event_loop_overlap``).
 
     Kept on without a draft: the scheduler prepares batch ``t+1`` on the host while batch ``t``
     runs, so its CPU time (batch assembly, result processing, graph input copies) leaves the
     decode step. Two orderings make that safe for the OasisKV state:
 
-    * ``SGLANG_FORCE_COARSE_WAR_BARRIER=1`` (and ``SGLANG_ENABLE_WAR_BARRIER=1``, which SGLang
-      otherwise infers from ``torch.version.cuda``; a user's other value is replaced with a
+    * ``SGLANG_FORCE_COARSE_WAR_BARRIER=1`` (and, on a GPU, ``SGLANG_ENABLE_WAR_BARRIER=1``, which
+      SGLang otherwise infers from ``torch.version.cuda``; a user's other value is replaced with a
       warning): after each launch the scheduler's stream waits for
       the whole forward, not only for the decode graph's pre-replay snapshot of its inputs
       (``DecodeCudaGraphRunner.execute``'s read-done event), because the captured OasisKV
@@ -182,7 +182,8 @@ def _overlap_args(args, spec: bool) -> None:
         args.disable_overlap_schedule = True
         return
     if not getattr(args, "disable_overlap_schedule", False):
-        for var in ("SGLANG_FORCE_COARSE_WAR_BARRIER", "SGLANG_ENABLE_WAR_BARRIER"):
+        # (on the CPU engine the forward is synchronous: SGLang's barrier stays as it decides there)
+        for var in ("SGLANG_FORCE_COARSE_WAR_BARRIER",) + (() if cpu else ("SGLANG_ENABLE_WAR_BARRIER",)):
             if os.environ.get(var, "1") not in ("1", "true", "True"):
                 logger.warning("OasisKV: %s=%s replaced by 1: the overlap scheduler needs the barrier with "
                                "--kv-sparse oasis (or pass --disable-overlap-schedule)", var, os.environ[var])
