@@ -58,7 +58,16 @@ def main() -> int:
         try:
             client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none")
             t1 = time.time()
-            r = client.chat.completions.create(model=model, messages=prompt.messages, max_tokens=32, temperature=0)
+            try:
+                r = client.chat.completions.create(model=model, messages=prompt.messages, max_tokens=32, temperature=0)
+            except openai.APIError as e:
+                # a server that died (e.g. the OOM killer took its scheduler) answers as a refused connection
+                tail = "\n".join(srv.log().splitlines()[-15:])
+                state = ("the server process has exited" if srv.proc.poll() is not None
+                         else "the server is still running")
+                print(f"[{name}] request failed: {e.__class__.__name__}: {e}; {state}. Last lines of "
+                      f"{srv.log_path}:\n{tail}", file=sys.stderr, flush=True)
+                return 2
             ans = r.choices[0].message.content.strip()
             results[name] = {"answer": ans, "correct": prompt.answer in ans,
                              "prompt_tokens": r.usage.prompt_tokens, "request_s": round(time.time() - t1, 1)}
