@@ -25,6 +25,8 @@ Suites (``all`` runs the five issue-5 measurements; ``plan()`` says exactly what
   context      4K, 8K, 16K, 32K, dense vs oasis (plot: ``context_sweep.png``; with ``all`` the
                16K and 32K points are the throughput runs, measured once)
   short        1K input, same pool for both: oasis / dense >= 0.97 is the target
+  stall        16K oasis with ``OASIS_ABLATE=no-transfer`` (admissions planned, not copied): the
+               exposed transfer share of the step is 1 - its step time / the 16K oasis run's
   paired       issue 4's paired forward: oasis vs oasis-eagle3 (and dense, dense-eagle3)
 
 A full ``all`` takes longer than one 600 s device call: results go to ``<out>/bench_oasis.json``
@@ -103,6 +105,8 @@ def plan(suite: str, a) -> list[Run]:
     fetch-cap    oasis at 16K for each of ``--fetch-caps`` (paper Table 2): tok/s and H2D GB/s
     context      dense vs oasis at 4K, 8K, 16K, 32K (80 GB pool / host tier), plotted
     short        1K input: oasis / dense >= 0.97 expected (same pool for both)
+    stall        16K oasis without the admission copies (``OASIS_ABLATE=no-transfer``), beside the
+                 16K throughput run: the exposed transfer cost inside SGLang's graph replays
     paired       the paired forward (issue 4): oasis vs oasis-eagle3 (and dense, dense-eagle3)
     """
     out, o = [], a.output_len
@@ -131,6 +135,12 @@ def plan(suite: str, a) -> list[Run]:
     if suite in ("short", "all"):
         for sy in sysargs():
             out.append(Run(f"short/1024/{sy}", sy, 1024, o, a.batch, "exact", None if sy.startswith("dense") else cap))
+    if suite in ("stall", "all"):
+        n = 16384
+        hr = host_requests_for(n + o + 64, a.host_gib)
+        if suite == "stall":
+            out.append(Run(f"throughput/{n}/oasis", "oasis", n, o, hr, "exact", cap, hr))
+        out.append(Run(f"stall/{n}/oasis-no-transfer", "oasis-no-transfer", n, o, hr, "exact", cap, hr))
     if suite == "paired":
         for sy in a.systems or ["oasis", "oasis-eagle3", "dense", "dense-eagle3"]:
             out.append(Run(f"paired/{a.input_len}/{sy}", sy, a.input_len, o, a.batch, "exact",
@@ -298,10 +308,16 @@ def run_one(run: Run, a, out: Path) -> dict:
             "batch": run.batch, "pool": run.pool, "fetch_cap": run.fetch_cap, "host_requests": run.host_requests,
             "date": time.strftime("%Y-%m-%d %H:%M")}
     t0 = time.time()
+    ablate = run.system == "oasis-no-transfer"
     try:
+        if ablate:
+            os.environ["OASIS_ABLATE"] = "no-transfer"        # read by the server's OasisKV engine
         srv = launch(os.environ["M"], 0, system_args(run, a), log_path, timeout=a.timeout, echo=False)
     except Exception as e:  # noqa: BLE001 - report and go on with the next run
         return {**base, "error": f"start failed: {e.__class__.__name__}: {str(e)[:300]}"}
+    finally:
+        if ablate:
+            os.environ.pop("OASIS_ABLATE", None)
     try:
         res = {**base, "start_s": round(time.time() - t0, 1)}
         prof, done = {}, None
@@ -391,7 +407,7 @@ def tables(results: list[dict], a) -> str:
     head = ("| run | most running | decode tok/s | step ms | output tok/s | TPOT ms | TTFT s | H2D MB/step | H2D GB/s | "
             "hit rate | vs dense |")
     sep = "|---|---|---|---|---|---|---|---|---|---|---|"
-    for suite in ("throughput", "context", "fetch-cap", "short", "paired"):
+    for suite in ("throughput", "context", "fetch-cap", "short", "stall", "paired"):
         rows = suite_rows(results, suite)
         if not rows:
             continue
@@ -411,6 +427,15 @@ def tables(results: list[dict], a) -> str:
                       f"{_f(r.get('h2d_mb_per_step'))} | {_f(r.get('h2d_gb_s'), 2)} | {_f(r.get('hit_rate'), 3)} | "
                       f"{'-' if ratio is None else f'{ratio:.2f}x'} |")
         md.append("")
+    st = next((r for r in results if r["key"] == "stall/16384/oasis-no-transfer" and r.get("step_ms")), None)
+    base_run = by.get("throughput/16384/oasis")
+    if st and base_run and base_run.get("step_ms"):
+        exp = 1 - st["step_ms"] / base_run["step_ms"]
+        md += ["### stall (exposed transfer inside SGLang's graph replays)", "",
+               "| context | running | oasis step ms | without admission copies ms | exposed transfer share of the step |",
+               "|---|---|---|---|---|",
+               f"| 16K | {base_run.get('max_running')} / {st.get('max_running')} | {base_run['step_ms']:.2f} | "
+               f"{st['step_ms']:.2f} | {100 * exp:.1f}% |", ""]
     prof = [r for r in results if isinstance(r.get("profile"), dict) and "error" not in r["profile"]
             and isinstance(r["profile"].get("groups_ms"), dict)
             and all(isinstance(r["profile"].get(k), (int, float)) for k in ("running", "window_ms", "busy_frac", "idle_ms"))]
@@ -521,9 +546,10 @@ def main() -> int:
     global T0
     T0 = time.time()                      # --deadline counts from here
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--suite", choices=["all", "throughput", "concurrency", "fetch-cap", "context", "short", "paired"],
+    ap.add_argument("--suite", choices=["all", "throughput", "concurrency", "fetch-cap", "context", "short", "stall",
+                                        "paired"],
                     default="all")
-    ap.add_argument("--systems", nargs="+", default=None, choices=["dense", "oasis", "dense-eagle3", "oasis-eagle3"],
+    ap.add_argument("--systems", nargs="+", default=None, choices=["dense", "oasis", "dense-eagle3", "oasis-eagle3", "oasis-no-transfer"],
                     help="override the suite's systems")
     ap.add_argument("--only", nargs="+", default=None, help="run only these run keys (see --list)")
     ap.add_argument("--list", action="store_true", help="print the planned runs and exit")
@@ -575,7 +601,8 @@ def main() -> int:
         runs = [r for r in runs if r.key in a.only]
     if a.list:
         for r in runs:
-            print(r.key, "sglang serve --model-path $M", " ".join(system_args(r, a)))
+            env = "OASIS_ABLATE=no-transfer " if r.system == "oasis-no-transfer" else ""
+            print(r.key, f"{env}sglang serve --model-path $M", " ".join(system_args(r, a)))
         return 0
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -279,3 +279,17 @@ def test_tables_skip_a_malformed_stored_profile(bench):
     md = bench.tables(res, a)
     assert "| short/1024/dense | 8 | 6.00 | 90.0% | 0.60 | 4.00 |" in md
     assert "| short/1024/oasis | 8 | 6.00" not in md
+
+
+def test_stall_suite_pairs_the_16k_run_with_its_no_transfer_ablation(bench):
+    a = _args(bench)
+    keys = [r.key for r in bench.plan("stall", a)]
+    assert keys == ["throughput/16384/oasis", "stall/16384/oasis-no-transfer"]
+    assert "stall/16384/oasis-no-transfer" in [r.key for r in bench.plan("all", a)]
+    runs = {r.key: r for r in bench.plan("stall", a)}
+    assert bench.system_args(runs["stall/16384/oasis-no-transfer"], a) == bench.system_args(runs["throughput/16384/oasis"], a)
+    a.suite = "stall"
+    res = [{"key": "throughput/16384/oasis", "system": "oasis", "decode_tok_s": 2000.0, "step_ms": 20.0, "max_running": 40},
+           {"key": "stall/16384/oasis-no-transfer", "system": "oasis-no-transfer", "decode_tok_s": 2222.2,
+            "step_ms": 18.0, "max_running": 40}]
+    assert "| 16K | 40 / 40 | 20.00 | 18.00 | 10.0% |" in bench.tables(res, a)

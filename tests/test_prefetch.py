@@ -282,6 +282,27 @@ def test_reset_from_another_stream_waits_for_the_forward(seed):
     assert (eng.ws.ids[:, 2] >= 0).any() and int(eng._pred_seq[1]) == -1
 
 
+def test_no_transfer_ablation_plans_admissions_but_copies_nothing(seed, monkeypatch):
+    """OASIS_ABLATE=no-transfer (bench_oasis --suite stall): the same admissions are planned and
+    counted, but the admitted slots keep what they held; an unknown ablation is refused."""
+    outs = {}
+    for ablate in ("", "no-transfer"):
+        monkeypatch.setenv("OASIS_ABLATE", ablate)
+        torch.manual_seed(seed)
+        eng = _engine(16, "previous", fetch_cap=2)
+        run = Run(eng, [1, 2], 40, 60)
+        run.prefill()
+        for _ in range(4):
+            run.step()
+        outs[ablate] = (eng.ws.ids.clone(), eng._counters.clone(), eng.ws.k[0].clone())
+    assert torch.equal(outs[""][0], outs["no-transfer"][0]) and torch.equal(outs[""][1], outs["no-transfer"][1])
+    assert int(outs[""][1][:, 1].sum()) > 0                      # blocks were admitted
+    assert not torch.equal(outs[""][2], outs["no-transfer"][2])  # ... and only the normal run copied them
+    monkeypatch.setenv("OASIS_ABLATE", "no-copy")
+    with pytest.raises(OasisConfigError, match="OASIS_ABLATE"):
+        _engine(16, "previous")
+
+
 def test_agreement_measurement(seed):
     """budget >= context: the prediction holds the whole true top-K (agreement 1.0); with fresh
     random queries each step and a small budget it cannot (agreement < 1)."""

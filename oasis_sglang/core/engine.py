@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -131,6 +132,16 @@ class OasisSparseKV:
                                         device=self.device) if cfg.measure_agreement else None)
         self._block_bytes = self.bs * (head_dim + v_head_dim) * torch.empty((), dtype=dtype).element_size()
         self._fwd_stream = None            # stream of the last forward (CUDA), see ``reset_rows``
+        # OASIS_ABLATE=no-transfer: a speed ablation for benchmarks (scripts/bench_oasis.py --suite
+        # stall): admissions are planned and counted but not copied, so the step's exposed transfer
+        # cost is the difference to a normal run; the working set then holds wrong data
+        ablate = os.environ.get("OASIS_ABLATE", "")
+        if ablate not in ("", "no-transfer"):
+            raise OasisConfigError(f"OASIS_ABLATE: unknown ablation {ablate!r} (choices: no-transfer, or unset)")
+        self.skip_admission_copy = ablate == "no-transfer"
+        if self.skip_admission_copy:
+            logger.warning("OasisKV: OASIS_ABLATE=no-transfer: admitted blocks are NOT copied from the host tier "
+                           "(a speed ablation for benchmarks: outputs are wrong)")
 
     @staticmethod
     def memory_plan(cfg: OasisConfig, num_layers: int, num_tokens: int, num_rows: int, head_num: int,
@@ -529,7 +540,10 @@ class OasisSparseKV:
                                       skip_row=self.padding_row)
 
     def _copy_in(self, li: int, plan) -> None:
-        """Stage (c), H2D: the working-set pieces of ``plan = (dst, src, counts)`` from the host tier."""
+        """Stage (c), H2D: the working-set pieces of ``plan = (dst, src, counts)`` from the host tier
+        (nothing under the ``OASIS_ABLATE=no-transfer`` benchmark ablation)."""
+        if self.skip_admission_copy:
+            return
         bs = self.bs
         dst, src, counts = plan
         self.ops.copy_blocks(self.ws.k[li].view(-1, bs * self.head_dim), self.ws.v[li].view(-1, bs * self.v_head_dim),
