@@ -33,8 +33,9 @@ def handle_kv_sparse_args(args) -> OasisConfig:
     Sets ``page_size`` to ``block_size`` and the attention backend to ``torch_native`` on CPU
     when they are unset, captures only decode steps in CUDA graphs (none on CPU or with a
     draft; ``_cuda_graph_args``), keeps overlap scheduling only without a draft (``_overlap_args``),
-    makes admission reserve prompt + max_new_tokens in the token pool (= host tier), bounds ``--max-running-requests`` (default 64), and stores the
-    normalised config JSON back in ``args.kv_sparse_config``.
+    makes admission reserve prompt + max_new_tokens in the token pool (= host tier), bounds
+    ``--max-running-requests`` (default 64), and stores the normalised config JSON back in
+    ``args.kv_sparse_config``.
 
     Raises:
         OasisConfigError: bad ``--kv-sparse-config`` key/value or an unsupported combination.
