@@ -115,10 +115,12 @@ NEAR_TIE = 0.5
 
 
 def assert_dense_or_near_tie(prompts, ref, got, name):
-    """``ref``: dense ``(ids, top-2 gaps, second-best ids)`` per prompt (``generate_ids(top2=True)``),
-    ``got``: the other server's ids, as many. Greedy output may leave dense only at a step where
-    dense's best two tokens nearly tie, by taking dense's second-best token there, and never at
-    the first token (a wrong kernel leaves dense at once). Writes ``OUT/<name>.json``."""
+    """``ref``: the reference server's (dense, or the normal loop) ``(ids, top-2 gaps, second-best
+    ids)`` per prompt (``generate_ids(top2=True)``), ``got``: the other server's ids, as many.
+    Greedy output may leave the reference only at a step where its best two tokens nearly tie, by
+    taking its second-best token there, and never at the first token (a wrong kernel leaves dense
+    at once). Writes ``OUT/<name>.json`` (per prompt: first divergence, the gap there, and the
+    smallest gap before it with its step)."""
     import json
 
     report = []
@@ -128,7 +130,8 @@ def assert_dense_or_near_tie(prompts, ref, got, name):
         report.append({"prompt_tokens": len(p), "first_divergence": first,
                        "dense_top2_gap_there": None if first is None else gap[first],
                        "took_dense_second_best": None if first is None else g[first] == second[first],
-                       "min_gap_before": min(gap[:first], default=None) if first is not None else min(gap, default=None)})
+                       "min_gap_before": min(gap[:first], default=None) if first is not None else min(gap, default=None),
+                       "min_gap_step": min(range(len(gap[:first] if first is not None else gap)), key=gap.__getitem__, default=None)})
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / f"{name}.json").write_text(json.dumps(report, indent=1))
     print(json.dumps(report))
@@ -208,7 +211,14 @@ def test_overlap_scheduler_matches_the_normal_loop(model, tok):
     the next batch, which still holds it for one step, is in flight, and hands its request row
     to a waiting request. With a working set smaller than the contexts (selection, eviction and
     admissions every step), 3 request rows for 6 staggered requests (rows reused mid-run) and
-    greedy decoding, every request's tokens equal those of the normal (non-overlap) loop."""
+    greedy decoding, every request's tokens follow those of the normal (non-overlap) loop.
+
+    The two loops batch the requests differently (the overlap loop keeps a finished request one
+    step longer, and arrival order is up to the HTTP threads), and a CPU GEMM's rounding depends
+    on its row count, so a greedy choice may flip where the normal loop's best two tokens nearly
+    tie (``assert_dense_or_near_tie``; CI saw one such flip at step 21 of 24). A request row
+    handed over with another request's working set, host record or prediction leaves the normal
+    loop at a step that is not a near tie, or at the first token."""
     base = base_args(max_running_requests=3)
     essay = tok.encode(essay_texts()[2][1], add_special_tokens=False)
     jobs = [(essay[i * 150:i * 150 + n], m) for i, (n, m) in
@@ -217,15 +227,17 @@ def test_overlap_scheduler_matches_the_normal_loop(model, tok):
     # the overlap loop's launches, extra steps and frees
     cfg = {"budget_tokens": 256, "block_size": 8, "kernels": "torch", "predictor": "previous"}
     got = {}
-    for name, extra in (("oasis_overlap", []), ("oasis_no_overlap", ["--disable-overlap-schedule"])):
+    for name, extra in (("oasis_no_overlap", ["--disable-overlap-schedule"]), ("oasis_overlap", [])):
         srv = launch(model, 0, base + oasis_args(**cfg) + extra, OUT / f"{name}.log")
         try:
             log = srv.log()
             assert ("overlap scheduler on" in log) == (not extra), "the server did not run the loop asked for"
+            top2 = name == "oasis_no_overlap"
             with cf.ThreadPoolExecutor(len(jobs)) as ex:
-                got[name] = list(ex.map(lambda j: generate_ids(srv.url, j[0], j[1]), jobs))
+                got[name] = list(ex.map(lambda j: generate_ids(srv.url, j[0], j[1], top2=top2), jobs))
             assert srv.residency_lines(), "the OasisKV decode path did not run"
         finally:
             srv.stop()
-    for (p, m), a, b in zip(jobs, got["oasis_overlap"], got["oasis_no_overlap"]):
-        assert len(a) == m and a == b, f"prompt of {len(p)} tokens: overlap {a} != normal loop {b}"
+    for (p, m), g in zip(jobs, got["oasis_overlap"]):
+        assert len(g) == m, f"prompt of {len(p)} tokens: {len(g)} tokens generated, {m} asked"
+    assert_dense_or_near_tie([p for p, _ in jobs], got["oasis_no_overlap"], got["oasis_overlap"], "overlap_vs_normal_loop")
