@@ -73,14 +73,23 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.cmd == "patch":
         return _patch(args)
-    if args.cmd == "prepare-eagle3":
-        from .models import prepare_smollm2_eagle3
+    if args.cmd == "prepare-eagle3" and args.seed < 0:
+        p.error(f"prepare-eagle3 --seed {args.seed}: want a seed >= 0")
+    cache = Path(args.cache_dir) if args.cache_dir else None
+    if cache is not None and cache.exists() and not cache.is_dir():
+        p.error(f"{args.cmd} --cache-dir {args.cache_dir}: exists and is not a folder")
+    try:
+        if args.cmd == "prepare-eagle3":
+            from .models import prepare_smollm2_eagle3
 
-        print(prepare_smollm2_eagle3(Path(args.cache_dir) if args.cache_dir else None, seed=args.seed, echo=args.echo))
-        return 0
-    from .models import prepare_smollm2
+            print(prepare_smollm2_eagle3(cache, seed=args.seed, echo=args.echo))
+            return 0
+        from .models import prepare_smollm2
 
-    print(prepare_smollm2(Path(args.cache_dir) if args.cache_dir else None))
+        print(prepare_smollm2(cache))
+    except OSError as e:              # e.g. a --cache-dir that cannot be created or written
+        print(f"oasis-sglang {args.cmd}: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -26,6 +26,16 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def _no_repeated_keys(pairs: list) -> dict:
+    """``json.loads`` hook: a key given twice in one object is an error, not "the last one wins"."""
+    d = {}
+    for k, v in pairs:
+        if k in d:
+            raise OasisConfigError(f"kv_sparse_config: key '{k}' is given twice")
+        d[k] = v
+    return d
+
+
 @dataclass(frozen=True)
 class OasisConfig:
     """OasisKV settings (paper: Methodology; Quest for the block summaries).
@@ -104,7 +114,8 @@ class OasisConfig:
             object.__setattr__(self, "dense_layers", layers)
         if not isinstance(layers, tuple) or not all(_is_int(x) and x >= 0 for x in layers):
             raise OasisConfigError(
-                f"kv_sparse_config: 'dense_layers' must be a list of layer indices >= 0, got {layers!r}")
+                f"kv_sparse_config: 'dense_layers' must be a list of layer indices >= 0, got "
+                f"{list(layers) if isinstance(layers, tuple) else layers!r}")
         if len(set(layers)) != len(layers):
             raise OasisConfigError(f"kv_sparse_config: 'dense_layers' has duplicates: {list(layers)}")
         object.__setattr__(self, "dense_layers", tuple(sorted(layers)))
@@ -184,13 +195,20 @@ class OasisConfig:
 
     @classmethod
     def from_json(cls, text: Optional[str]) -> "OasisConfig":
-        """Parse ``--kv-sparse-config``; ``None`` or empty gives the defaults."""
+        """Parse ``--kv-sparse-config``; ``None`` or empty gives the defaults.
+
+        Raises:
+            OasisConfigError: not JSON, a key given twice, not an object, or a bad key / value.
+        """
         if text is None or not str(text).strip():
             return cls()
+        shown = text if len(str(text)) <= 200 else str(text)[:200] + f"... ({len(str(text))} characters)"
         try:
-            d = json.loads(text)
+            d = json.loads(text, object_pairs_hook=_no_repeated_keys)
+        except OasisConfigError:
+            raise
         except (json.JSONDecodeError, ValueError) as e:
-            raise OasisConfigError(f"kv_sparse_config is not valid JSON ({e}): {text!r}") from None
+            raise OasisConfigError(f"kv_sparse_config is not valid JSON ({e}): {shown!r}") from None
         return cls.from_dict(d)
 
     def check_model(self, num_layers: int) -> None:

@@ -25,14 +25,21 @@ class NeedlePrompt:
 
 
 def haystack_ids(tokenizer, num_tokens: int) -> list[int]:
-    """Token ids of the first ``num_tokens`` tokens of the essays, concatenated in name order."""
+    """Token ids of the first ``num_tokens`` tokens of the essays, concatenated in name order.
+
+    Raises ``ValueError`` when ``num_tokens < 1`` or the essays hold fewer tokens (about 150K).
+    """
     from .models import essay_texts
 
+    if num_tokens < 1:
+        raise ValueError(f"haystack length must be at least 1 token, got {num_tokens}")
     ids: list[int] = []
     for _, text in essay_texts():
         ids.extend(tokenizer.encode(text + "\n\n", add_special_tokens=False))
         if len(ids) >= num_tokens:
             break
+    if len(ids) < num_tokens:
+        raise ValueError(f"haystack length {num_tokens} tokens: the essays hold only {len(ids)}")
     return ids[:num_tokens]
 
 
@@ -41,7 +48,8 @@ def build(tokenizer, haystack_tokens: int, depth: float, needle: str = NEEDLE,
     """Plant ``needle`` at ``depth`` (0..1) of a ``haystack_tokens``-token haystack.
 
     The needle goes at the sentence boundary (". ") nearest to the target depth so the text
-    stays readable. Raises ``ValueError`` for a depth outside [0, 1].
+    stays readable. Raises ``ValueError`` for a depth outside [0, 1] or a haystack length
+    ``haystack_ids`` cannot give.
     """
     if not 0.0 <= depth <= 1.0:
         raise ValueError(f"depth must be in [0, 1], got {depth}")

@@ -93,8 +93,13 @@ class Run:
 
 
 def host_requests_for(ctx: int, host_gib: float) -> int:
-    """Requests of ``ctx`` tokens whose Qwen3-8B KV fits in ``host_gib`` GiB of host tier."""
-    return max(1, int(host_gib * 2**30 // (ctx * QWEN3_8B_KV_BYTES_PER_TOKEN)))
+    """Requests of ``ctx`` tokens whose Qwen3-8B KV fits in ``host_gib`` GiB of host tier.
+    Raises ValueError (naming --host-gib) when not even one fits."""
+    n = int(host_gib * 2**30 // (ctx * QWEN3_8B_KV_BYTES_PER_TOKEN))
+    if n < 1:
+        raise ValueError(f"--host-gib {host_gib:g} holds no request of {ctx} tokens "
+                         f"({ctx * QWEN3_8B_KV_BYTES_PER_TOKEN / 2**30:.2f} GiB of Qwen3-8B KV)")
+    return n
 
 
 def plan(suite: str, a) -> list[Run]:
@@ -519,6 +524,16 @@ def _positive_int(x: str) -> int:
     return int(x)
 
 
+def _positive_float(x: str) -> float:
+    try:
+        v = float(x)
+    except ValueError:
+        v = float("nan")
+    if not (math.isfinite(v) and v > 0):
+        raise argparse.ArgumentTypeError(f"{x!r} is not a positive, finite number")
+    return v
+
+
 def load_results(jpath: Path) -> tuple[list[dict], dict]:
     """``(results, args)`` of a ``bench_oasis.json``; SystemExit with one line if it is malformed."""
     try:
@@ -530,9 +545,17 @@ def load_results(jpath: Path) -> tuple[list[dict], dict]:
                                             and isinstance(r.get("system"), str) for r in res):
         raise SystemExit(f"bench_oasis: {jpath} is not a bench_oasis results file (want {{'results': [{{'key', "
                          f"'system', ...}}, ...]}})")
+    for r in res:
+        for f in NUMERIC_FIELDS:
+            v = r.get(f)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)):
+                raise SystemExit(f"bench_oasis: {jpath}: run {r['key']}: {f} is {v!r}, want a finite number or null")
     return res, d.get("args") if isinstance(d.get("args"), dict) else {}
 
 
+# result fields the tables and plots format as numbers (load_results checks them)
+NUMERIC_FIELDS = ("input_len", "output_len", "batch", "fetch_cap", "max_running", "decode_tok_s", "step_ms",
+                  "output_tok_s", "median_tpot_ms", "median_ttft_ms", "h2d_mb_per_step", "h2d_gb_s", "hit_rate")
 RUN_FIELDS = ("system", "input_len", "output_len", "batch", "pool", "fetch_cap", "host_requests")
 
 
@@ -556,16 +579,16 @@ def main() -> int:
     ap.add_argument("--resume", action="store_true", help="skip runs already in <out>/bench_oasis.json (split a "
                     "long suite over several calls)")
     ap.add_argument("--plot-only", action="store_true", help="rewrite the tables and plots from <out>/bench_oasis.json")
-    ap.add_argument("--input-len", type=int, default=16384, help="paired suite: input length")
+    ap.add_argument("--input-len", type=_positive_int, default=16384, help="paired suite: input length")
     ap.add_argument("--input-lens", type=_positive_int, nargs="+", default=None, help="throughput / context: input lengths")
-    ap.add_argument("--output-len", type=int, default=256)
-    ap.add_argument("--batch", type=int, default=8, help="paired / short: requests sent together")
-    ap.add_argument("--dense-batch", type=int, default=32,
+    ap.add_argument("--output-len", type=_positive_int, default=256)
+    ap.add_argument("--batch", type=_positive_int, default=8, help="paired / short: requests sent together")
+    ap.add_argument("--dense-batch", type=_positive_int, default=32,
                     help="throughput / context: prompts sent to dense at least (its pool limits what runs)")
-    ap.add_argument("--host-gib", type=float, default=96.0,
+    ap.add_argument("--host-gib", type=_positive_float, default=96.0,
                     help="oasis host tier, GiB of Qwen3-8B KV (pinned host memory; the H200 host has 128 GiB "
                          "and served a 95.4 GB tier, 41 requests of 16K, on 2026-12-02)")
-    ap.add_argument("--budget", type=int, default=2048, help="oasis budget_tokens")
+    ap.add_argument("--budget", type=_positive_int, default=2048, help="oasis budget_tokens")
     ap.add_argument("--fetch-cap", type=_positive_int, default=None, help="oasis fetch_cap (default: the config's)")
     ap.add_argument("--fetch-caps", type=_positive_int, nargs="+", default=[1, 2, 4, 8, 16], help="fetch-cap suite values")
     ap.add_argument("--predictor", default="previous", choices=["previous", "lookahead", "current"],
@@ -580,7 +603,7 @@ def main() -> int:
     ap.add_argument("--profile-steps", type=int, default=0,
                     help="also profile this many steady decode steps of each run with SGLang's profiler "
                          "(GPU time by kernel group and GPU idle time; scripts/profile_trace.py)")
-    ap.add_argument("--timeout", type=int, default=900, help="seconds for a server start / one bench_serving run")
+    ap.add_argument("--timeout", type=_positive_int, default=900, help="seconds for a server start / one bench_serving run")
     ap.add_argument("--out", default=os.environ.get("OUT", "out") + "/bench_oasis")
     a = ap.parse_args()
     if not math.isfinite(a.run_estimate) or a.run_estimate <= 0 or a.deadline is not None and (
@@ -588,12 +611,21 @@ def main() -> int:
         ap.error("--deadline and --run-estimate must be positive, finite seconds")
     if not 0 <= a.profile_steps <= 64:
         ap.error(f"--profile-steps must be 0 (off) to 64, got {a.profile_steps}")
+    try:                  # the oasis servers would each refuse a bad budget or cap at start-up
+        OasisConfig(budget_tokens=a.budget, fetch_cap=a.fetch_cap)
+        for c in a.fetch_caps:
+            OasisConfig(budget_tokens=a.budget, fetch_cap=c)
+    except ValueError as e:
+        ap.error(f"--budget / --fetch-cap(s): {e}")
     if a.deadline is not None and a.deadline < a.run_estimate:
         ap.error(f"--deadline {a.deadline:g} is below --run-estimate {a.run_estimate:g}: no run would start")
     for name in ("fetch_caps", "input_lens", "systems"):
         if getattr(a, name):
             setattr(a, name, list(dict.fromkeys(getattr(a, name))))     # a repeated value is one run
-    runs = plan(a.suite, a)
+    try:
+        runs = plan(a.suite, a)
+    except ValueError as e:
+        ap.error(str(e))
     if a.only:
         unknown = set(a.only) - {r.key for r in runs}
         if unknown:
@@ -620,8 +652,9 @@ def main() -> int:
                     setattr(a, k, stored[k])
     if not a.plot_only:
         for var in ("M",) + (("D",) if any(r.system.endswith("eagle3") for r in runs) else ()):
-            if not os.environ.get(var):
-                ap.error(f"environment variable {var} must name the model folder (source the gpu-host kit's env.sh)")
+            if not os.environ.get(var) or not Path(os.environ[var]).is_dir():
+                ap.error(f"environment variable {var}={os.environ.get(var, '')!r} must name the model folder "
+                         f"(source the gpu-host kit's env.sh)")
         stored_by = {r["key"]: r for r in results}
         todo = []
         for r in runs:

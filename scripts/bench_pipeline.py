@@ -294,18 +294,36 @@ def profile_eager(eng, rt, rows, layers, args):
     return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
 
 
+def _positive_int(x: str) -> int:
+    if not x.isascii() or not x.isdigit() or int(x) < 1:
+        raise argparse.ArgumentTypeError(f"{x!r} is not a positive integer")
+    return int(x)
+
+
+def _drift(x: str) -> float:
+    try:
+        v = float(x)
+    except ValueError:
+        v = float("nan")
+    if not 0 <= v <= 1:          # also refuses nan
+        raise argparse.ArgumentTypeError(f"{x!r} is not a number in [0, 1]")
+    return v
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--context", type=int, default=16384)
-    p.add_argument("--budget", type=int, default=2048)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--steps", type=int, default=24)
-    p.add_argument("--caps", type=int, nargs="+", default=[1, 2, 4, 8])
-    p.add_argument("--predictors", nargs="+", default=["current", "previous", "lookahead"])
-    p.add_argument("--drift", type=float, default=1.0)
+    p.add_argument("--batch", type=_positive_int, default=32)
+    p.add_argument("--context", type=_positive_int, default=16384)
+    p.add_argument("--budget", type=_positive_int, default=2048)
+    p.add_argument("--layers", type=_positive_int, default=8)
+    p.add_argument("--steps", type=_positive_int, default=24)
+    p.add_argument("--caps", type=_positive_int, nargs="+", default=[1, 2, 4, 8])
+    p.add_argument("--predictors", nargs="+", default=["current", "previous", "lookahead"],
+                   choices=["current", "previous", "lookahead"])
+    p.add_argument("--drift", type=_drift, default=1.0, help="query drift a in [0, 1] (see above)")
     p.add_argument("--out", default="out/bench_pipeline")
-    p.add_argument("--device", default="cuda", help="cpu: a functional smoke run with the torch references")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                   help="cpu: a functional smoke run with the torch references")
     p.add_argument("--graph", action="store_true", help="also replay each step from a CUDA graph")
     p.add_argument("--copy-programs", type=int, nargs="+", default=[-1],
                    help="copy_blocks grid sizes to compare in graph mode (0: one program per piece, "
@@ -321,6 +339,12 @@ def main() -> int:
                         "candidates span req_to_token's width; see --rtt-width)")
     p.add_argument("--skip-eager", action="store_true", help="only the --graph replays")
     args = p.parse_args()
+    try:
+        OasisConfig(budget_tokens=args.budget, block_size=16)
+    except ValueError as e:
+        p.error(f"--budget: {e}")
+    if any(c < -1 for c in args.copy_programs):
+        p.error(f"--copy-programs: {args.copy_programs}: want -1 (the default grid), 0 (one program per piece) or more")
     for flag in ("graph_profile", "sglang_graph", "skip_eager"):
         if getattr(args, flag) and not args.graph:
             p.error(f"--{flag.replace('_', '-')} needs --graph")

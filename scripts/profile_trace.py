@@ -24,6 +24,7 @@ import gzip
 import json
 import math
 import sys
+import zlib
 from pathlib import Path
 
 # (group, name substrings), first match wins: SGLang's Triton decode attention (``_fwd_*``)
@@ -54,16 +55,22 @@ def group_of(name: str) -> str:
 
 def load_gpu_events(path: str | Path) -> list[tuple[str, object, float, float]]:
     """``[(name, stream, start_us, dur_us)]`` of the GPU events of a Chrome trace (plain or gzip
-    JSON, told apart by the gzip magic bytes).
+    JSON, told apart by the gzip magic bytes, whatever the suffix).
 
     Raises:
-        OSError / EOFError: the file cannot be read, or a gzip file ends early (still being written).
-        ValueError: not a Chrome trace (no ``traceEvents`` list), or a GPU event whose ``ts`` /
-            ``dur`` is missing, not a finite number, or a negative duration (names the event).
+        OSError / EOFError: the file cannot be read, is shorter than 2 bytes (torch's profiler opens
+            it with ``gzip.open(path, "wb")``, so it exists empty while being written), or a gzip
+            file ends early (still being written).
+        ValueError: not a Chrome trace (not JSON, a corrupt gzip stream, nesting too deep, no
+            ``traceEvents`` list), or a GPU event whose ``ts`` / ``dur`` is missing, not a finite
+            number, or a negative duration (names the event).
     """
     path = Path(path)
     with open(path, "rb") as f:
-        gz = f.read(2) == b"\x1f\x8b"
+        head = f.read(2)
+    if len(head) < 2:
+        raise EOFError(f"{path}: {len(head)} bytes (still being written?)")
+    gz = head == b"\x1f\x8b"
     try:
         with (gzip.open(path, "rt") if gz else open(path, "rt")) as f:
             d = json.load(f)
@@ -71,6 +78,10 @@ def load_gpu_events(path: str | Path) -> list[tuple[str, object, float, float]]:
         raise ValueError(f"{path}: not JSON ({e})") from None
     except EOFError as e:
         raise EOFError(f"{path}: the gzip file ends early ({e})") from None
+    except (zlib.error, gzip.BadGzipFile) as e:
+        raise ValueError(f"{path}: not a gzip stream ({e})") from None
+    except RecursionError:
+        raise ValueError(f"{path}: JSON nested too deep to be a Chrome trace") from None
     ev = d.get("traceEvents") if isinstance(d, dict) else d
     if not isinstance(ev, list):
         raise ValueError(f"{path}: not a Chrome trace (no traceEvents list)")

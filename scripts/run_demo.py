@@ -32,9 +32,19 @@ def main() -> int:
     p.add_argument("--no-dense", action="store_true", help="skip the dense comparison run")
     p.add_argument("--out", type=Path, default=ROOT / "out" / "demo")
     a = p.parse_args()
+    from oasis_sglang.config import OasisConfig
+
+    try:                  # refused here, not after a 1.5-2 min server start
+        OasisConfig(budget_tokens=a.budget, block_size=a.block_size)
+    except ValueError as e:
+        p.error(f"--budget / --block-size: {e}")
+    if not 0 <= a.port <= 65535:
+        p.error(f"--port {a.port}: want 0 (a free port) to 65535")
+    if not 0 <= a.depth <= 1:          # also refuses nan
+        p.error(f"--depth {a.depth}: want a number in [0, 1]")
 
     import openai
-    from transformers import AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     from oasis_sglang import needle
     from oasis_sglang.models import prepare_smollm2
@@ -42,8 +52,15 @@ def main() -> int:
 
     model = str(prepare_smollm2())
     tok = AutoTokenizer.from_pretrained(model)
-    prompt = needle.build(tok, a.tokens, a.depth)
+    try:
+        prompt = needle.build(tok, a.tokens, a.depth)
+    except ValueError as e:
+        p.error(f"--tokens / --depth: {e}")
     n_prompt = len(needle.chat_ids(tok, prompt.messages))
+    ctx = getattr(AutoConfig.from_pretrained(model), "max_position_embeddings", None)
+    if ctx is not None and n_prompt + 32 > ctx:
+        p.error(f"--tokens {a.tokens}: the prompt is {n_prompt} tokens and the answer 32, above the model's "
+                f"context of {ctx} tokens")
     device = "cuda" if has_cuda() else "cpu"
     print(f"model: {model}\ndevice: {device}\nprompt: {n_prompt} tokens of Paul Graham essays, "
           f"needle at depth {a.depth}: {needle.NEEDLE!r}\nquestion: {needle.QUESTION!r}\n", flush=True)

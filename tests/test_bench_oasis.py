@@ -120,7 +120,7 @@ def _fake_runs(bench, monkeypatch, fail=(), seconds=0.0):
         return base | {"decode_tok_s": 100.0, "max_running": run.batch}
 
     monkeypatch.setattr(bench, "run_one", fake)
-    monkeypatch.setenv("M", "/nonexistent-model")
+    monkeypatch.setenv("M", str(Path(__file__).parent))     # a folder: the runs are faked
     return calls
 
 
@@ -163,7 +163,11 @@ def test_deadline_leaves_runs_with_exit_3_and_errors_stay_in_one_table_row(bench
 
 @pytest.mark.parametrize("argv,msg", [(["--plot-only"], "no results"), (["--deadline", "nan"], "finite"),
                                       (["--deadline", "100"], "no run would start"),
-                                      (["--fetch-caps", "0"], "positive integer")])
+                                      (["--fetch-caps", "0"], "positive integer"),
+                                      (["--host-gib", "nan"], "--host-gib"), (["--host-gib", "0.5"], "holds no request"),
+                                      (["--budget", "100"], "budget_tokens"), (["--fetch-cap", "0"], "--fetch-cap"),
+                                      (["--batch", "0"], "--batch"), (["--input-len", "-5"], "--input-len"),
+                                      (["--output-len", "0"], "--output-len"), (["--timeout", "-1"], "--timeout")])
 def test_bad_arguments_are_refused_with_the_option_named(bench, monkeypatch, tmp_path, capsys, argv, msg):
     _fake_runs(bench, monkeypatch)
     with pytest.raises(SystemExit) as e:
@@ -175,6 +179,18 @@ def test_a_malformed_results_file_is_one_clear_line(bench, monkeypatch, tmp_path
     (tmp_path / "bench_oasis.json").write_text('{"results": [{"key": "short/1024/dense"}]}')
     with pytest.raises(SystemExit, match="not a bench_oasis results file"):
         _main(bench, monkeypatch, "--plot-only", "--out", str(tmp_path))
+    (tmp_path / "bench_oasis.json").write_text(
+        '{"results": [{"key": "short/1024/dense", "system": "dense", "decode_tok_s": "fast"}]}')
+    with pytest.raises(SystemExit, match="short/1024/dense: decode_tok_s is 'fast'"):
+        _main(bench, monkeypatch, "--plot-only", "--out", str(tmp_path))
+
+
+def test_a_model_variable_that_is_not_a_folder_is_refused(bench, monkeypatch, tmp_path, capsys):
+    _fake_runs(bench, monkeypatch)
+    monkeypatch.setenv("M", str(tmp_path / "no-such-model"))
+    with pytest.raises(SystemExit) as e:
+        _main(bench, monkeypatch, "--suite", "short", "--resume", "--out", str(tmp_path / "x"))
+    assert e.value.code == 2 and "M=" in capsys.readouterr().err
 
 
 def test_steady_running_waits_for_the_decode_phase(bench):
@@ -241,8 +257,9 @@ def test_profile_trace_rejects_what_it_cannot_read(tmp_path, capsys):
 
 def test_profile_trace_refuses_bad_events_naming_them(tmp_path, capsys):
     """Negative, missing or non-finite times are refused naming the event; a gzip file cut short
-    (still being written by SGLang's scheduler) is an EOFError the caller retries; plain JSON is
-    read whatever its suffix; a zero-length window still formats."""
+    or an empty file (torch creates it with ``gzip.open(path, "wb")`` before writing) is an EOFError
+    the caller retries; a corrupt gzip stream or absurd nesting is a ValueError naming the file;
+    plain JSON is read whatever its suffix; a zero-length window still formats."""
     import gzip
 
     sys.path.insert(0, str(ROOT / "scripts"))
@@ -264,6 +281,18 @@ def test_profile_trace_refuses_bad_events_naming_them(tmp_path, capsys):
     cut.write_bytes(whole.read_bytes()[:40])
     with pytest.raises(EOFError, match="cut.trace.json.gz"):
         pt.load_gpu_events(cut)
+    empty = tmp_path / "empty.trace.json.gz"
+    empty.write_bytes(b"")
+    with pytest.raises(EOFError, match="empty.trace.json.gz: 0 bytes"):
+        pt.load_gpu_events(empty)
+    raw = bytearray(whole.read_bytes())
+    raw[12:40] = bytes(b ^ 0xFF for b in raw[12:40])
+    (tmp_path / "bad.trace.json.gz").write_bytes(bytes(raw))
+    with pytest.raises(ValueError, match="bad.trace.json.gz: not a gzip stream"):
+        pt.load_gpu_events(tmp_path / "bad.trace.json.gz")
+    (tmp_path / "deep.json").write_text("[" * 200_000)
+    with pytest.raises(ValueError, match="nested too deep"):
+        pt.load_gpu_events(tmp_path / "deep.json")
     s = pt.summarize([("nvjet", 1, 10.0, 0.0)], 1)
     assert s["window_ms"] == 0 and "| GEMMs | 0.000 | - |" in pt.markdown(s)
     assert pt.main([str(whole), "--steps", "1", "--out", str(tmp_path / "no" / "such" / "dir.md")]) == 2

@@ -37,6 +37,8 @@ def test_frozen():
     ('{"budget_tokens": 48, "sink_blocks": 1, "recent_blocks": 2}', "budget_tokens"),
     ('{"kernels": "cuda"}', "kernels"),
     ('{"kernels": null}', "kernels"),
+    ('{"budget_tokens": 512, "budget_tokens": 1024}', "'budget_tokens' is given twice"),
+    ('{"dense_layers": [-1]}', r"got \[-1\]"),
 ])
 def test_bad_values_name_the_key(text, key):
     with pytest.raises(OasisConfigError, match=key):
@@ -48,6 +50,10 @@ def test_not_json_or_not_object():
         OasisConfig.from_json("{budget: 1}")
     with pytest.raises(OasisConfigError, match="JSON object"):
         OasisConfig.from_json("[1, 2]")
+    long = '{"budget_tokens": 1' + "0" * 5000 + "}"
+    with pytest.raises(OasisConfigError, match=r"\(5020 characters\)") as e:
+        OasisConfig.from_json(long)
+    assert len(str(e.value)) < 600, "a long value is not echoed whole"
 
 
 def test_check_model_layer_range():

@@ -200,6 +200,33 @@ def test_sparse_equals_dense_when_working_set_covers_context(seed, dtype, predic
     assert eng.residency()["evicted_blocks"] == 0
 
 
+def test_engine_refuses_bad_calls_naming_the_argument(seed):
+    """A dense or unknown layer, extend lengths that do not add up to the queries, and decode
+    lengths below 1 are refused with a ValueError naming them, before any state changes: the
+    state then serves a valid request exactly as a fresh engine does."""
+    eng = _engine(budget=64)
+    rt = torch.zeros(4, 256, dtype=torch.int32)
+    q, k = torch.randn(5, 6, 8), torch.randn(5, 2, 8)
+    with pytest.raises(ValueError, match=r"layer 0 is dense .*serves layers \[1, 2\]"):
+        eng.write_kv(0, torch.arange(5), k, k)
+    with pytest.raises(ValueError, match="layer 7 is not a layer of this model"):
+        eng.decode_attention(7, q[:1], k[:1], k[:1], torch.tensor([1]), torch.tensor([5]), rt, None)
+    with pytest.raises(ValueError, match=r"want loc \[N\]"):
+        eng.write_kv(1, torch.arange(4), k, k)
+    with pytest.raises(ValueError, match=r"extend_lens \[3\] \(sum 3\).*q of 5 tokens"):
+        eng.extend_attention(1, q, torch.tensor([1]), torch.tensor([0]), torch.tensor([3]), rt, None)
+    with pytest.raises(ValueError, match="1 rows, 2 prefix_lens"):
+        eng.extend_attention(1, q, torch.tensor([1]), torch.tensor([0, 0]), torch.tensor([5]), rt, None)
+    for bad in ({"max_seq_len": 0}, {"rows_host": [1], "seq_lens_host": [0]}, {"rows_host": [-1], "seq_lens_host": [5]}):
+        with pytest.raises(ValueError, match="want"):
+            eng.decode_attention(1, q[:1], k[:1], k[:1], torch.tensor([1]), torch.tensor([5]), rt, None, **bad)
+    torch.manual_seed(0)
+    got = _run_request(eng, 1, 2, 37, 3, 6, rt, _paged_locs(37 + 3))[1]
+    torch.manual_seed(0)
+    ref = _run_request(_engine(budget=64), 1, 2, 37, 3, 6, rt.clone(), _paged_locs(37 + 3))[1]
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))
+
+
 def test_sparse_attends_exactly_the_resident_blocks(seed):
     """budget < context: output = attention over the resident blocks; the budget is respected."""
     eng = _engine(budget=16, fetch_cap=2)   # 4 blocks of 4

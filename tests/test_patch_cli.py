@@ -65,3 +65,11 @@ def test_patched_module_adds_the_flags():
 
     fields = ServerArgs.__dataclass_fields__
     assert fields["kv_sparse"].default == "none" and fields["kv_sparse_config"].default is None
+
+
+@pytest.mark.parametrize("argv,msg", [(["prepare-model", "--cache-dir", "/dev/null"], "is not a folder"),
+                                      (["prepare-eagle3", "--seed", "-1"], "--seed -1")])
+def test_prepare_commands_refuse_bad_options(argv, msg):
+    """Refused with exit 2 and the option named, before any conversion, not with a traceback."""
+    r = subprocess.run([sys.executable, "-m", "oasis_sglang.cli", *argv], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and msg in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]

@@ -121,6 +121,15 @@ def test_simulated_acceptance_is_refused(model, monkeypatch):
         make(model, kv_sparse="oasis", speculative_algorithm="EAGLE3")
 
 
+@pytest.mark.parametrize("bad", ["0", "abc", "-0.5", "nan", "2"])
+def test_bad_init_new_token_ratio_is_named(model, monkeypatch, bad):
+    """OasisKV reads SGLang's SGLANG_INIT_NEW_TOKEN_RATIO to size admission; a value that is not
+    in (0, 1] is refused naming the variable (not a ZeroDivisionError or float() traceback)."""
+    monkeypatch.setenv("SGLANG_INIT_NEW_TOKEN_RATIO", bad)
+    with pytest.raises(OasisConfigError, match="SGLANG_INIT_NEW_TOKEN_RATIO"):
+        make(model, kv_sparse="oasis")
+
+
 def test_ngram_draft_is_a_chain_of_one(model):
     """SGLang's model-free n-gram drafter as the look-ahead source: one draft token (topk 1)."""
     a = make(model, kv_sparse="oasis", speculative_algorithm="NGRAM")

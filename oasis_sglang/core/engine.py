@@ -81,6 +81,7 @@ class OasisSparseKV:
         self.ops = ops if ops is not None else TorchKVOps()
         self.cfg, self.device, self.bs = cfg, torch.device(device), cfg.block_size
         self.head_num, self.head_dim, self.v_head_dim = head_num, head_dim, v_head_dim
+        self.num_layers = num_layers
         self.sparse_layers = [i for i in range(num_layers) if i not in cfg.dense_layers]
         self.index = {l: i for i, l in enumerate(self.sparse_layers)}
         num_pages = -(-num_tokens // self.bs)
@@ -162,6 +163,16 @@ class OasisSparseKV:
         """True when ``layer_id`` (model layer index) is served by OasisKV."""
         return layer_id in self.index
 
+    def _sparse_index(self, layer_id: int, what: str) -> int:
+        """Index of sparse layer ``layer_id`` in the state. Raises ValueError for a dense or
+        unknown layer (its KV cache is SGLang's, not OasisKV's)."""
+        li = self.index.get(layer_id)
+        if li is None:
+            kind = "dense (config dense_layers)" if 0 <= layer_id < self.num_layers else \
+                f"not a layer of this model (0..{self.num_layers - 1})"
+            raise ValueError(f"{what}: layer {layer_id} is {kind}; OasisKV serves layers {self.sparse_layers}")
+        return li
+
     # ---- writes -------------------------------------------------------------------------
     def write_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  decode: bool = False) -> None:
@@ -172,7 +183,10 @@ class OasisSparseKV:
         set in ``decode_attention`` and reach the host tier as whole blocks once their block is
         complete (4 KiB pieces instead of 256 B ones; the partial block is always resident).
         """
-        li = self.index[layer_id]
+        li = self._sparse_index(layer_id, "write_kv")
+        if not (loc.dim() == 1 and k.shape[0] == v.shape[0] == loc.shape[0]):
+            raise ValueError(f"write_kv: loc {tuple(loc.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: "
+                             f"want loc [N], k [N, {self.head_num}, {self.head_dim}], v [N, {self.head_num}, {self.v_head_dim}]")
         self.pipe.wait(li)       # a prefetch of this layer may still read the summaries / host tier
         s = self.summaries
         self.ops.write_kv(self.host.k[li], self.host.v[li], s.kmin[li], s.kmax[li], loc,
@@ -192,11 +206,20 @@ class OasisSparseKV:
                 the cached prefix is read back from the host tier.
         Returns:
             ``[T, Hq, Dv]``.
+        Raises:
+            ValueError: a dense or unknown layer; ``rows``, ``prefix_lens`` and ``extend_lens`` of
+                different lengths, a negative length, or ``sum(extend_lens) != T`` (checked
+                before any state changes).
         """
-        li = self.index[layer_id]
+        li = self._sparse_index(layer_id, "extend_attention")
+        rows_c, pre_c, ext_c = rows.tolist(), prefix_lens.tolist(), extend_lens.tolist()
+        if not len(rows_c) == len(pre_c) == len(ext_c):
+            raise ValueError(f"extend_attention: {len(rows_c)} rows, {len(pre_c)} prefix_lens, {len(ext_c)} extend_lens")
+        if min(pre_c + ext_c, default=0) < 0 or sum(ext_c) != q.shape[0]:
+            raise ValueError(f"extend_attention: extend_lens {ext_c} (sum {sum(ext_c)}) and prefix_lens {pre_c} "
+                             f"for q of {q.shape[0]} tokens: want non-negative lengths summing to the tokens")
         self._note_forward_stream()
         out = q.new_empty((q.shape[0], q.shape[1], self.v_head_dim))
-        rows_c, pre_c, ext_c = rows.tolist(), prefix_lens.tolist(), extend_lens.tolist()
         start = 0
         for r, pre, ext in zip(rows_c, pre_c, ext_c):
             n = pre + ext
@@ -302,8 +325,9 @@ class OasisSparseKV:
         Returns:
             ``[B, Hq, Dv]``, or ``[B, 2, Hq, Dv]`` (normal row, draft row) with a draft row.
         Raises:
-            ValueError: draft tensors given partly, or with the wrong batch or size (checked
-                before any state changes).
+            ValueError: a dense or unknown layer; draft tensors given partly, or with the wrong
+                batch or size; ``seq_lens_host`` / ``max_seq_len`` below 1 (checked before any
+                state changes).
 
         With an asynchronous predictor the working set was prefetched by the previous step (or
         the prefill); this layer only waits for its transfer event. A step whose rows were not
@@ -318,7 +342,7 @@ class OasisSparseKV:
         joins the stage streams, so a captured step is self-contained (its last layers'
         transfers cannot overlap the next step). Rows equal to ``padding_row`` pad the batch.
         """
-        li = self.index[layer_id]
+        li = self._sparse_index(layer_id, "decode_attention")
         cfg, bs = self.cfg, self.bs
         B = q.shape[0]
         drafts = (q_draft, k_draft, v_draft)
@@ -346,6 +370,11 @@ class OasisSparseKV:
             if len(host[0]) != B or len(host[1]) != B:
                 raise ValueError(f"decode_attention: rows_host / seq_lens_host have {len(host[0])} / "
                                  f"{len(host[1])} entries for a batch of {B}")
+            if min(host[0]) < 0 or min(host[1]) < 1:
+                raise ValueError(f"decode_attention: rows_host {host[0]} / seq_lens_host {host[1]}: want rows >= 0 "
+                                 f"and context lengths >= 1 (the new token included)")
+        if not self.graph_mode and max_seq < 1:
+            raise ValueError(f"decode_attention: max_seq_len {max_seq}: want >= 1 (the new token included)")
         if li <= self._last_li:
             self._step_vals = None
             if self.graph_mode:      # device clock only; the host bookkeeping is graph_step's

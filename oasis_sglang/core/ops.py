@@ -189,7 +189,9 @@ class TorchKVOps(BaseKVOps):
     def write_kv(self, host_k, host_v, kmin, kmax, loc, k, v, block_size, one_token_each=False, write_host=True):
         """Reference: host-tier scatter by location, then ``scatter_reduce`` amin/amax into the summaries."""
         H, P, bs, D = host_k.shape
-        assert bs == block_size and k.shape[1:] == (H, D) and v.shape[0] == k.shape[0] == loc.numel()
+        assert bs == block_size and k.shape[1:] == (H, D) and v.shape[0] == k.shape[0] == loc.numel(), \
+            f"write_kv: host [H, P, bs, D] = {tuple(host_k.shape)} (block_size {block_size}), loc {tuple(loc.shape)}, " \
+            f"k {tuple(k.shape)}, v {tuple(v.shape)}: want loc [N], k [N, {H}, {D}], v [N, {H}, Dv]"
         if write_host:
             loc_h = loc.to(host_k.device, torch.int64)
             page, off = loc_h // bs, loc_h % bs
@@ -280,7 +282,13 @@ class TorchKVOps(BaseKVOps):
                                 v_extra=None, return_lse=False):
         """Reference: per request, ``gather_working_set`` + SDPA (bitwise SGLang torch_native); LSE by ``logsumexp``."""
         B, NQ, Hq, D = q.shape
-        bs = ws_k.shape[3]
+        bs, H = ws_k.shape[3], ws_k.shape[1]
+        assert NQ in (1, 2) and Hq % H == 0, f"q must be [B, 1 or 2, Hq, D] with Hq a multiple of H={H}, got {tuple(q.shape)}"
+        assert rows.shape == seq_lens.shape == (B,), f"rows {tuple(rows.shape)} and seq_lens {tuple(seq_lens.shape)} must be [{B}]"
+        assert (k_extra is None) == (v_extra is None), "k_extra and v_extra go together"
+        if k_extra is not None:
+            assert NQ == 2, "k_extra / v_extra (the draft token's K/V) need NQ == 2 query rows"
+            assert k_extra.shape[:2] == v_extra.shape[:2] == (B, H), (k_extra.shape, v_extra.shape)
         o = q.new_empty((B, NQ, Hq, ws_v.shape[-1]))
         lse = torch.empty((B, NQ, Hq), dtype=torch.float32, device=q.device) if return_lse else None
         sc = scale if scale is not None else 1.0 / math.sqrt(D)
@@ -308,6 +316,9 @@ class TorchKVOps(BaseKVOps):
     def paged_attention(self, q, k_buf, v_buf, req_to_token, rows, kv_lens, scale, max_kv_len=None):
         """Reference: per request and row, gather the row's visible tokens through ``req_to_token`` + SDPA."""
         B, NQ, Hq, D = q.shape
+        assert NQ in (1, 2) and Hq % k_buf.shape[1] == 0, \
+            f"q must be [B, 1 or 2, Hq, D] with Hq a multiple of H={k_buf.shape[1]}, got {tuple(q.shape)}"
+        assert rows.shape == kv_lens.shape == (B,), f"rows {tuple(rows.shape)} and kv_lens {tuple(kv_lens.shape)} must be [{B}]"
         o = q.new_empty((B, NQ, Hq, v_buf.shape[-1]))
         rows_c, kv_c = rows.tolist(), kv_lens.tolist()
         R, width = req_to_token.shape

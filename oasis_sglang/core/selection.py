@@ -26,7 +26,9 @@ def quest_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> tor
     """
     B, Hq, D = q.shape
     H = kmin.shape[2]
-    assert Hq % H == 0 and kmin.shape == kmax.shape and kmin.shape[0] == B and kmin.shape[3] == D
+    assert Hq % H == 0 and kmin.shape == kmax.shape and kmin.dim() == 4 and kmin.shape[0] == B and kmin.shape[3] == D, \
+        f"quest_scores: q {tuple(q.shape)}, kmin {tuple(kmin.shape)}, kmax {tuple(kmax.shape)}: want q [B, Hq, D] and " \
+        f"kmin = kmax [B, NB, H, D] with Hq a multiple of H"
     qg = q.float().view(B, H, Hq // H, 1, D)                       # [B, H, G, 1, D]
     lo = kmin.float().permute(0, 2, 1, 3).unsqueeze(2)             # [B, H, 1, NB, D]
     hi = kmax.float().permute(0, 2, 1, 3).unsqueeze(2)

@@ -8,6 +8,7 @@ Raises ``OasisConfigError`` (a ``ValueError``) naming the flag or key on bad inp
 from __future__ import annotations
 
 import logging
+import math
 import os
 
 from ..config import OasisConfig, OasisConfigError
@@ -145,7 +146,14 @@ def handle_kv_sparse_args(args) -> OasisConfig:
     # The host tier is SGLang's token pool: admit a request only when its prompt plus its whole
     # max_new_tokens fit (SGLang's default estimates 70% decaying to 10% of max_new_tokens and
     # retracts requests when decode runs out of room).
-    init_ratio = float(os.environ.setdefault("SGLANG_INIT_NEW_TOKEN_RATIO", "0.7"))
+    raw = os.environ.setdefault("SGLANG_INIT_NEW_TOKEN_RATIO", "0.7")
+    try:
+        init_ratio = float(raw)
+    except ValueError:
+        init_ratio = float("nan")
+    if not (math.isfinite(init_ratio) and 0 < init_ratio <= 1):
+        raise OasisConfigError(f"SGLANG_INIT_NEW_TOKEN_RATIO={raw!r}: want a number in (0, 1] (the share of "
+                               f"max_new_tokens SGLang first reserves per request); unset it for 0.7")
     if args.schedule_conservativeness * init_ratio < 1.0:
         args.schedule_conservativeness = 1.01 / init_ratio
     os.environ["SGLANG_MIN_NEW_TOKEN_RATIO_FACTOR"] = "1.0"
