@@ -56,6 +56,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))     # this checkout's package, not an installed copy
 sys.path.insert(1, str(Path(__file__).resolve().parent))         # profile_trace
 
+from oasis_sglang.argtypes import positive_float, positive_int  # noqa: E402
 from oasis_sglang.config import OasisConfig  # noqa: E402
 from oasis_sglang.sglang_glue.launch import launch, oasis_args  # noqa: E402
 
@@ -518,22 +519,6 @@ def plots(results: list[dict], out: Path) -> list[Path]:
 T0 = time.time()
 
 
-def _positive_int(x: str) -> int:
-    if not x.isascii() or not x.isdigit() or int(x) < 1:
-        raise argparse.ArgumentTypeError(f"{x!r} is not a positive integer")
-    return int(x)
-
-
-def _positive_float(x: str) -> float:
-    try:
-        v = float(x)
-    except ValueError:
-        v = float("nan")
-    if not (math.isfinite(v) and v > 0):
-        raise argparse.ArgumentTypeError(f"{x!r} is not a positive, finite number")
-    return v
-
-
 def load_results(jpath: Path) -> tuple[list[dict], dict]:
     """``(results, args)`` of a ``bench_oasis.json``; SystemExit with one line if it is malformed."""
     try:
@@ -579,18 +564,18 @@ def main() -> int:
     ap.add_argument("--resume", action="store_true", help="skip runs already in <out>/bench_oasis.json (split a "
                     "long suite over several calls)")
     ap.add_argument("--plot-only", action="store_true", help="rewrite the tables and plots from <out>/bench_oasis.json")
-    ap.add_argument("--input-len", type=_positive_int, default=16384, help="paired suite: input length")
-    ap.add_argument("--input-lens", type=_positive_int, nargs="+", default=None, help="throughput / context: input lengths")
-    ap.add_argument("--output-len", type=_positive_int, default=256)
-    ap.add_argument("--batch", type=_positive_int, default=8, help="paired / short: requests sent together")
-    ap.add_argument("--dense-batch", type=_positive_int, default=32,
+    ap.add_argument("--input-len", type=positive_int, default=16384, help="paired suite: input length")
+    ap.add_argument("--input-lens", type=positive_int, nargs="+", default=None, help="throughput / context: input lengths")
+    ap.add_argument("--output-len", type=positive_int, default=256)
+    ap.add_argument("--batch", type=positive_int, default=8, help="paired / short: requests sent together")
+    ap.add_argument("--dense-batch", type=positive_int, default=32,
                     help="throughput / context: prompts sent to dense at least (its pool limits what runs)")
-    ap.add_argument("--host-gib", type=_positive_float, default=96.0,
+    ap.add_argument("--host-gib", type=positive_float, default=96.0,
                     help="oasis host tier, GiB of Qwen3-8B KV (pinned host memory; the H200 host has 128 GiB "
                          "and served a 95.4 GB tier, 41 requests of 16K, on 2026-12-02)")
-    ap.add_argument("--budget", type=_positive_int, default=2048, help="oasis budget_tokens")
-    ap.add_argument("--fetch-cap", type=_positive_int, default=None, help="oasis fetch_cap (default: the config's)")
-    ap.add_argument("--fetch-caps", type=_positive_int, nargs="+", default=[1, 2, 4, 8, 16], help="fetch-cap suite values")
+    ap.add_argument("--budget", type=positive_int, default=2048, help="oasis budget_tokens")
+    ap.add_argument("--fetch-cap", type=positive_int, default=None, help="oasis fetch_cap (default: the config's)")
+    ap.add_argument("--fetch-caps", type=positive_int, nargs="+", default=[1, 2, 4, 8, 16], help="fetch-cap suite values")
     ap.add_argument("--predictor", default="previous", choices=["previous", "lookahead", "current"],
                     help="oasis predictor (previous: the asynchronous pipeline without a draft model)")
     ap.add_argument("--eager", action="store_true", help="oasis without CUDA graphs")
@@ -603,7 +588,7 @@ def main() -> int:
     ap.add_argument("--profile-steps", type=int, default=0,
                     help="also profile this many steady decode steps of each run with SGLang's profiler "
                          "(GPU time by kernel group and GPU idle time; scripts/profile_trace.py)")
-    ap.add_argument("--timeout", type=_positive_int, default=900, help="seconds for a server start / one bench_serving run")
+    ap.add_argument("--timeout", type=positive_int, default=900, help="seconds for a server start / one bench_serving run")
     ap.add_argument("--out", default=os.environ.get("OUT", "out") + "/bench_oasis")
     a = ap.parse_args()
     if not math.isfinite(a.run_estimate) or a.run_estimate <= 0 or a.deadline is not None and (

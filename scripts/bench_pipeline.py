@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from oasis_sglang.argtypes import positive_int, unit_float
 from oasis_sglang.config import OasisConfig
 from oasis_sglang.core import OasisSparseKV
 from oasis_sglang.core.prefetch import get_predictor
@@ -294,33 +295,17 @@ def profile_eager(eng, rt, rows, layers, args):
     return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
 
 
-def _positive_int(x: str) -> int:
-    if not x.isascii() or not x.isdigit() or int(x) < 1:
-        raise argparse.ArgumentTypeError(f"{x!r} is not a positive integer")
-    return int(x)
-
-
-def _drift(x: str) -> float:
-    try:
-        v = float(x)
-    except ValueError:
-        v = float("nan")
-    if not 0 <= v <= 1:          # also refuses nan
-        raise argparse.ArgumentTypeError(f"{x!r} is not a number in [0, 1]")
-    return v
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--batch", type=_positive_int, default=32)
-    p.add_argument("--context", type=_positive_int, default=16384)
-    p.add_argument("--budget", type=_positive_int, default=2048)
-    p.add_argument("--layers", type=_positive_int, default=8)
-    p.add_argument("--steps", type=_positive_int, default=24)
-    p.add_argument("--caps", type=_positive_int, nargs="+", default=[1, 2, 4, 8])
+    p.add_argument("--batch", type=positive_int, default=32)
+    p.add_argument("--context", type=positive_int, default=16384)
+    p.add_argument("--budget", type=positive_int, default=2048)
+    p.add_argument("--layers", type=positive_int, default=8)
+    p.add_argument("--steps", type=positive_int, default=24)
+    p.add_argument("--caps", type=positive_int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--predictors", nargs="+", default=["current", "previous", "lookahead"],
                    choices=["current", "previous", "lookahead"])
-    p.add_argument("--drift", type=_drift, default=1.0, help="query drift a in [0, 1] (see above)")
+    p.add_argument("--drift", type=unit_float, default=1.0, help="query drift a in [0, 1] (see above)")
     p.add_argument("--out", default="out/bench_pipeline")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                    help="cpu: a functional smoke run with the torch references")
