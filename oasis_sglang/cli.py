@@ -15,6 +15,10 @@ from pathlib import Path
 def _patch(args) -> int:
     from . import patching
 
+    if args.sglang_root is not None and not args.sglang_root.strip():
+        print("--sglang-root is empty: name the folder holding the sglang package, or leave the option out "
+              "for the installed one", file=sys.stderr)
+        return 2
     root = Path(args.sglang_root) if args.sglang_root else None
     try:
         if args.action == "status":

@@ -73,3 +73,9 @@ def test_prepare_commands_refuse_bad_options(argv, msg):
     """Refused with exit 2 and the option named, before any conversion, not with a traceback."""
     r = subprocess.run([sys.executable, "-m", "oasis_sglang.cli", *argv], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and msg in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+
+
+def test_an_empty_sglang_root_is_refused():
+    """``--sglang-root ''`` (an unset shell variable) is an error, not the installed SGLang."""
+    r = cli("status", "--sglang-root", "")
+    assert r.returncode == 2 and "--sglang-root is empty" in r.stderr
