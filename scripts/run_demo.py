@@ -13,12 +13,26 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+
+LOG_EVERY = 4
+_COUNTERS = ("decode steps", "admitted blocks", "evicted blocks", "H2D")
+
+
+def _counter_deltas(first: str, last: str) -> dict:
+    """Differences of the cumulative counters (decode steps, admitted / evicted blocks, H2D MiB)
+    between two ``OasisKV decode`` lines; a counter missing from a line is left out."""
+    def vals(line):
+        return {k: float(m.group(1)) for k in _COUNTERS if (m := re.search(rf"{k}: ([\d.]+)", line))}
+    a, b = vals(first), vals(last)
+    return {k: b[k] - a[k] for k in _COUNTERS if k in a and k in b}
 
 
 def main() -> int:
@@ -65,7 +79,10 @@ def main() -> int:
     print(f"model: {model}\ndevice: {device}\nprompt: {n_prompt} tokens of Paul Graham essays, "
           f"needle at depth {a.depth}: {needle.NEEDLE!r}\nquestion: {needle.QUESTION!r}\n", flush=True)
 
-    runs = [("oasis", oasis_args(budget_tokens=a.budget, block_size=a.block_size))] + ([] if a.no_dense else [("dense", [])])
+    # an OasisKV decode line every LOG_EVERY steps (SGLang's --decode-log-interval, default 40): the
+    # short answer then shows the working set at work, not only its first step
+    runs = [("oasis", oasis_args(budget_tokens=a.budget, block_size=a.block_size)
+             + ["--decode-log-interval", str(LOG_EVERY)])] + ([] if a.no_dense else [("dense", [])])
     results = {}
     for name, extra in runs:
         t0 = time.time()
@@ -94,6 +111,8 @@ def main() -> int:
                     raise RuntimeError(f"no OasisKV decode line in {srv.log_path}: is the plugin active?")
                 res = parse_residency(lines[-1])
                 results[name]["residency"] = res
+                mine = [l for l in lines if parse_residency(l)["context"][0] >= n_prompt]   # not the warm-up's
+                results[name]["decode"] = _counter_deltas(mine[0], mine[-1]) if mine else {}
                 init = [l for l in srv.log().splitlines() if "OasisKV:" in l and "sparse /" in l]
                 results[name]["pool"] = init[-1].split("OasisKV: ", 1)[1] if init else ""
         finally:
@@ -103,17 +122,32 @@ def main() -> int:
 
     o = results["oasis"]
     res = o["residency"]
-    print("\n" + "=" * 80 + "\n=== OasisKV KV residency (last OasisKV decode line: a request's first decode step, then every 40) ===")
+    print("\n" + "=" * 80 + f"\n=== OasisKV KV residency (last OasisKV decode line; one every {LOG_EVERY} decode steps) ===")
     print(f"context (full KV cache in the host tier): {res['context'][0]} tokens")
     print(f"device working set: {res['device'][0]} tokens per sparse layer and KV head (budget {res['budget']}), "
           f"{res['context'][0] / max(1, res['device'][0]):.1f}x fewer than the context")
+    d = o.get("decode") or {}
+    if d:
+        print(f"this request's decode, between its first and last logged step ({d['decode steps']:.0f} steps): "
+              f"{d['admitted blocks']:.0f} blocks copied in from the host tier ({d['H2D']:.1f} MiB), "
+              f"{d['evicted blocks']:.0f} evicted (for those copies and for the blocks the new tokens start); "
+              f"a block = {a.block_size} tokens of one layer and KV head, at most fetch_cap copies per step each")
     print(f"memory: {o['pool']}")
+    mem = {k: float(v) for k, v in re.findall(r"(working set|summaries|host tier) ([\d.]+) MiB", o["pool"])}
+    if len(mem) == 3:
+        dev = mem["working set"] + mem["summaries"]
+        print(f"  device total {dev:.1f} MiB (working set + summaries) vs host tier {mem['host tier']:.1f} MiB: "
+              f"{mem['host tier'] / dev:.1f}x")
     print("  (working set: all request rows, bounded by the budget; summaries: min/max keys of every block of the\n"
-          "   host tier, 2/block_size of the keys; request rows = --max-running-requests + 1, SGLang reserves row 0"
+          "   host tier, 2/block_size of its keys, so they grow with --max-total-tokens, not with the budget; request\n"
+          "   rows = --max-running-requests + 1, SGLang reserves row 0"
           + ("; on this CPU host device and host tier are both system RAM)" if device == "cpu" else ")"))
     print("\n=== answers ===")
     for name, r in results.items():
-        print(f"{name:>6}: {r['answer']!r}  -> {'correct' if r['correct'] else 'WRONG'} (expected {prompt.answer})")
+        print(f"{name:>6}: {r['answer']!r}  -> {'correct' if r['correct'] else 'WRONG'} (expected {prompt.answer}; "
+              f"request {r['request_s']} s)")
+    print("  (request times on a 2-core CPU host include the prefill and are not a speed comparison: the GPU figures\n"
+          "   are in docs/benchmarks.md)")
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "result.json").write_text(json.dumps(results, indent=2))
     print(f"\nresults: {a.out / 'result.json'}; server logs: {a.out}/server_*.log")
