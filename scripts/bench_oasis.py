@@ -58,7 +58,7 @@ sys.path.insert(1, str(Path(__file__).resolve().parent))         # profile_trace
 
 from oasis_sglang.argtypes import positive_float, positive_int  # noqa: E402
 from oasis_sglang.config import OasisConfig  # noqa: E402
-from oasis_sglang.sglang_glue.launch import launch, oasis_args  # noqa: E402
+from oasis_sglang.sglang_glue.launch import launch, oasis_args, parse_decode_counters  # noqa: E402
 
 DECODE = re.compile(r"Decode batch.*?#running-req: (\d+).*?gen throughput \(token/s\): ([\d.]+)")
 SERVING = {"output_tok_s": r"Output token throughput \(tok/s\):\s+([\d.]+)",
@@ -214,20 +214,10 @@ def bench_serving(url: str, run: Run, out: Path, timeout: int) -> dict:
     return res
 
 
-OASIS_NUM = {"h2d_mib": r"H2D: ([\d.]+) MiB", "decode_steps": r"decode steps: (\d+)", "hit_rate": r"hit rate: ([\d.]+)",
-             "graph_steps": r"cuda graph steps: (\d+)", "host_tier_mib": r"host tier: ([\d.]+) MiB"}
-
-
 def oasis_figures(lines: list[str], step_ms: float | None) -> dict:
     """H2D traffic per decode step (and GB/s at ``step_ms``) between the first and last
     ``OasisKV decode`` lines, with the last line's hit rate, graph steps and host-tier size."""
-    vals = []
-    for ln in lines:
-        v = {}
-        for k, pat in OASIS_NUM.items():
-            m = re.search(pat, ln)
-            v[k] = float(m.group(1)) if m else None
-        vals.append(v)
+    vals = [parse_decode_counters(ln) for ln in lines]
     if not vals:
         return {}
     last = vals[-1]

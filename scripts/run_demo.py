@@ -23,16 +23,16 @@ sys.path.insert(0, str(ROOT))
 
 
 LOG_EVERY = 4
-_COUNTERS = ("decode steps", "admitted blocks", "evicted blocks", "H2D")
 
 
 def _counter_deltas(first: str, last: str) -> dict:
-    """Differences of the cumulative counters (decode steps, admitted / evicted blocks, H2D MiB)
-    between two ``OasisKV decode`` lines; a counter missing from a line is left out."""
-    def vals(line):
-        return {k: float(m.group(1)) for k in _COUNTERS if (m := re.search(rf"{k}: ([\d.]+)", line))}
-    a, b = vals(first), vals(last)
-    return {k: b[k] - a[k] for k in _COUNTERS if k in a and k in b}
+    """Differences of the cumulative counters (``parse_decode_counters``: decode steps, admitted /
+    evicted blocks, H2D MiB) between two ``OasisKV decode`` lines; a field either lacks is left out."""
+    from oasis_sglang.sglang_glue.launch import parse_decode_counters
+
+    a, b = parse_decode_counters(first), parse_decode_counters(last)
+    return {k: b[k] - a[k] for k in ("decode_steps", "admitted_blocks", "evicted_blocks", "h2d_mib")
+            if a[k] is not None and b[k] is not None}
 
 
 def main() -> int:
@@ -127,10 +127,10 @@ def main() -> int:
     print(f"device working set: {res['device'][0]} tokens per sparse layer and KV head (budget {res['budget']}), "
           f"{res['context'][0] / max(1, res['device'][0]):.1f}x fewer than the context")
     d = o.get("decode") or {}
-    if d:
-        print(f"this request's decode, between its first and last logged step ({d['decode steps']:.0f} steps): "
-              f"{d['admitted blocks']:.0f} blocks copied in from the host tier ({d['H2D']:.1f} MiB), "
-              f"{d['evicted blocks']:.0f} evicted (for those copies and for the blocks the new tokens start); "
+    if len(d) == 4:
+        print(f"this request's decode, between its first and last logged step ({d['decode_steps']:.0f} steps): "
+              f"{d['admitted_blocks']:.0f} blocks copied in from the host tier ({d['h2d_mib']:.1f} MiB), "
+              f"{d['evicted_blocks']:.0f} evicted (for those copies and for the blocks the new tokens start); "
               f"a block = {a.block_size} tokens of one layer and KV head, at most fetch_cap copies per step each")
     print(f"memory: {o['pool']}")
     mem = {k: float(v) for k, v in re.findall(r"(working set|summaries|host tier) ([\d.]+) MiB", o["pool"])}

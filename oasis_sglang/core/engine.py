@@ -326,8 +326,9 @@ class OasisSparseKV:
             ``[B, Hq, Dv]``, or ``[B, 2, Hq, Dv]`` (normal row, draft row) with a draft row.
         Raises:
             ValueError: a dense or unknown layer; draft tensors given partly, or with the wrong
-                batch or size; ``seq_lens_host`` / ``max_seq_len`` below 1 (checked before any
-                state changes).
+                batch or size; ``rows_host`` / ``seq_lens_host`` of the wrong length or out of
+                range, ``max_seq_len`` below 1 (the host values are checked at a step's first
+                sparse layer, before any state changes).
 
         With an asynchronous predictor the working set was prefetched by the previous step (or
         the prefill); this layer only waits for its transfer event. A step whose rows were not
@@ -364,18 +365,22 @@ class OasisSparseKV:
         else:
             max_seq = max_seq_len if max_seq_len is not None else int(seq.max())
         nb_max = -(-max_seq // bs)
+        new_step = li <= self._last_li          # always true at the first sparse layer (li == 0)
         host = None
-        if rows_host is not None and seq_lens_host is not None:
-            host = [int(r) for r in rows_host], [int(x) for x in seq_lens_host]
-            if len(host[0]) != B or len(host[1]) != B:
-                raise ValueError(f"decode_attention: rows_host / seq_lens_host have {len(host[0])} / "
-                                 f"{len(host[1])} entries for a batch of {B}")
-            if min(host[0]) < 0 or min(host[1]) < 1:
-                raise ValueError(f"decode_attention: rows_host {host[0]} / seq_lens_host {host[1]}: want rows >= 0 "
-                                 f"and context lengths >= 1 (the new token included)")
-        if not self.graph_mode and max_seq < 1:
-            raise ValueError(f"decode_attention: max_seq_len {max_seq}: want >= 1 (the new token included)")
-        if li <= self._last_li:
+        if new_step and not self.graph_mode:
+            # host values are read once per step, at its first sparse layer (the later layers
+            # of the step serve the same rows and lengths)
+            if rows_host is not None and seq_lens_host is not None:
+                host = [int(r) for r in rows_host], [int(x) for x in seq_lens_host]
+                if len(host[0]) != B or len(host[1]) != B:
+                    raise ValueError(f"decode_attention: rows_host / seq_lens_host have {len(host[0])} / "
+                                     f"{len(host[1])} entries for a batch of {B}")
+                if min(host[0]) < 0 or min(host[1]) < 1:
+                    raise ValueError(f"decode_attention: rows_host {host[0]} / seq_lens_host {host[1]}: want rows "
+                                     f">= 0 and context lengths >= 1 (the new token included)")
+            if max_seq < 1:
+                raise ValueError(f"decode_attention: max_seq_len {max_seq}: want >= 1 (the new token included)")
+        if new_step:
             self._step_vals = None
             if self.graph_mode:      # device clock only; the host bookkeeping is graph_step's
                 self._step_d += 1
