@@ -1,6 +1,6 @@
 """Ships ``oasis_sglang_cpu.pth`` at the root of site-packages (pyproject has the rest).
 
-The .pth runs ``import oasis_sglang_cpu_shim`` at interpreter start, so SGLang's
+The .pth runs ``import oasis_sglang.cpu.finder`` at interpreter start, so SGLang's
 CPU engine finds the torch ``sgl_kernel`` ops in every process it spawns, with no wrapper.
 """
 

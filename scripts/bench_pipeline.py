@@ -31,7 +31,6 @@ Writes ``results.md`` and ``results.json``.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import time
@@ -43,7 +42,7 @@ from tqdm import tqdm
 from oasis_sglang.argtypes import positive_int, unit_float
 from oasis_sglang.config import OasisConfig
 from oasis_sglang.core import OasisSparseKV
-from oasis_sglang.core.prefetch import get_predictor
+from oasis_sglang.core.bench_hooks import BenchHooks
 from oasis_sglang.kernels import get_kv_ops
 
 HID, HQ, H, D, FFN = 4096, 32, 8, 128, 12288
@@ -114,10 +113,9 @@ class Timer:
 
 def run_case(eng, rt, rows, layers, args, predictor, cap):
     B, C, L = args.batch, args.context, args.layers
-    eng.cfg = dataclasses.replace(eng.cfg, fetch_cap=cap)
-    eng.predictor = get_predictor(predictor)
+    eng.set_policy(fetch_cap=cap, predictor=predictor)
     eng.reset_rows(list(range(B)))
-    eng._counters.zero_()
+    eng.counters.zero_()
     eng.stats.sync_steps = 0
     draft = predictor == "lookahead"
     a = args.drift
@@ -129,14 +127,13 @@ def run_case(eng, rt, rows, layers, args, predictor, cap):
     # the first decode step's working set, as the prefill would predict it (last prompt query)
     for l in range(L):
         q0 = qs[0]
-        eng._issue_prefetch(l, q0, rows, torch.full((B,), C + 1, device=DEV), rt, -(-(C + 1) // 16))
-    eng._prefilled = True
+        eng.stages.launch(l, q0, rows, torch.full((B,), C + 1, device=DEV), rt, -(-(C + 1) // 16), eng.clock + 1)
     res = []
     base = None
     for s in range(n):
         if s == 2:
             sync()
-            base = eng._counters.sum(0).clone()                        # steady state: after the initial fill
+            base = eng.counters.sum(0).clone()                         # steady state: after the initial fill
 
         t = C + s
         seq = torch.full((B,), t + 1, device=DEV)
@@ -144,23 +141,24 @@ def run_case(eng, rt, rows, layers, args, predictor, cap):
         sync()
         w0 = time.perf_counter()
         timer.start()
+        eng.begin_decode_step(rows, seq, rt, max_seq_len=t + 1)
         for l in range(L):
             layers[l % len(layers)](x)
             k = torch.randn(B, H, D, device=DEV, dtype=DT)
             eng.write_kv(l, rt[:, t].long(), k, k, decode=True)
             kw = dict(q_draft=qs[s + 1], k_draft=k, v_draft=k) if draft else {}
-            eng.decode_attention(l, qs[s], k, k, rows, seq, rt, None, t + 1, **kw)
+            eng.decode_attention(l, qs[s], k, k, None, **kw)
         gpu = timer.stop()
         sync()
         wall = (time.perf_counter() - w0) * 1e3
         waits = eng.pipe.exposed_wait_ms()
         res.append({"gpu_ms": gpu, "wall_ms": wall, "wait_ms": sum(waits)})
     r = eng.residency()
-    hits, copied = (int(x) for x in (eng._counters.sum(0) - base)[:2].tolist())
+    hits, copied = (int(x) for x in (eng.counters.sum(0) - base)[:2].tolist())
     keep = res[2:]                                                      # after the first (filling) steps
     med = lambda k: sorted(x[k] for x in keep)[len(keep) // 2]          # noqa: E731
     steps = len(keep)
-    piece = eng._block_bytes
+    piece = eng.block_bytes
     return {
         "predictor": predictor, "fetch_cap": cap, "gpu_ms": med("gpu_ms"), "wall_ms": med("wall_ms"),
         "wait_ms": med("wait_ms"), "wait_share": med("wait_ms") / med("gpu_ms"),
@@ -208,33 +206,31 @@ def run_graph_case(eng, rt, rows, layers, args, variant, cap, profile: bool = Fa
     """
     B, C, L = args.batch, args.context, args.layers
     pred = "previous" if variant in ("no-prefetch", "no-transfer") else variant
-    eng.cfg = dataclasses.replace(eng.cfg, fetch_cap=cap)
-    eng.predictor = get_predictor(pred)
+    eng.set_policy(fetch_cap=cap, predictor=pred)
     eng.reset_rows(list(range(B)))
-    eng._counters.zero_()
+    eng.counters.zero_()
     draft = variant == "lookahead"
-    issue = eng._issue_prefetch
     for l in range(L):
-        issue(l, torch.randn(B, HQ, D, device=DEV, dtype=DT), rows, torch.full((B,), C + 1, device=DEV), rt,
-              -(-(C + 1) // 16))
-    if variant == "no-prefetch":
-        eng._issue_prefetch = lambda *a, **k: None
-    if variant == "no-transfer":
-        eng._copy_in = lambda *a, **k: None
+        eng.stages.launch(l, torch.randn(B, HQ, D, device=DEV, dtype=DT), rows, torch.full((B,), C + 1, device=DEV),
+                          rt, -(-(C + 1) // 16), eng.clock + 1)
+    eng.bench = BenchHooks(assume_predicted=True, skip_prefetch=variant == "no-prefetch",
+                           skip_admission_copy=variant == "no-transfer")
     x = torch.randn(2 * B if draft else B, HID, device=DEV, dtype=DT)
     q, qd = torch.randn(B, HQ, D, device=DEV, dtype=DT), torch.randn(B, HQ, D, device=DEV, dtype=DT)
     kb = torch.randn(L, B, H, D, device=DEV, dtype=DT)
     seq = torch.full((B,), C + 1, device=DEV)
     loc = rt[:, C].long().clone()
     max_len = C + args.steps + 16                                          # >= every step's context
-    eng.graph_mode = args.sglang_graph     # as SGLang captures it: candidates span req_to_token's width
+    # --sglang-graph: as SGLang captures it, candidates span req_to_token's width
+    eng.begin_decode_step(rows, seq, rt, mode="capture", max_seq_len=None if args.sglang_graph else max_len)
 
     def step():
+        eng.prepare_step_device()
         for l in range(L):
             layers[l % len(layers)](x)
             eng.write_kv(l, loc, kb[l], kb[l], decode=True)
             kw = dict(q_draft=qd, k_draft=kb[l], v_draft=kb[l]) if draft else {}
-            eng.decode_attention(l, q, kb[l], kb[l], rows, seq, rt, None, max_len, **kw)
+            eng.decode_attention(l, q, kb[l], kb[l], None, **kw)
         eng.pipe.drain()
 
     def set_inputs(s):
@@ -244,7 +240,7 @@ def run_graph_case(eng, rt, rows, layers, args, variant, cap, profile: bool = Fa
         qd.normal_()
         kb.normal_()
 
-    eng.assume_predicted, eng.pipe.timing = True, False
+    eng.pipe.timing = False
     try:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -263,24 +259,22 @@ def run_graph_case(eng, rt, rows, layers, args, variant, cap, profile: bool = Fa
             set_inputs(s)
             if s == 4:
                 torch.cuda.synchronize()
-                base = eng._counters.sum(0).clone()
+                base = eng.counters.sum(0).clone()
             t = Timer()
             t.start()
             g.replay()
             times.append(t.stop())
         torch.cuda.synchronize()
-        hits, copied = (int(x) for x in (eng._counters.sum(0) - base)[:2].tolist())
+        hits, copied = (int(x) for x in (eng.counters.sum(0) - base)[:2].tolist())
         kernels = profile_replays(g, set_inputs, args.steps + 2) if profile else None
     finally:
-        eng.assume_predicted, eng.pipe.timing, eng.graph_mode = False, True, False
-        eng._issue_prefetch = issue
-        eng.__dict__.pop("_copy_in", None)
+        eng.bench, eng.pipe.timing = BenchHooks(), True
         torch.cuda.synchronize()
         eng.ws.violations.zero_()            # no-prefetch steps write into blocks never brought in
     keep = sorted(times[2:])
     n = args.steps - 2
     return {"variant": variant, "fetch_cap": cap, "gpu_ms": keep[len(keep) // 2], "kernels": kernels,
-            "h2d_blocks_per_step": copied / n, "h2d_MB_per_step": copied * eng._block_bytes / n / 1e6,
+            "h2d_blocks_per_step": copied / n, "h2d_MB_per_step": copied * eng.block_bytes / n / 1e6,
             "cap_blocks_per_step": cap * B * H * L, "hit_rate": hits / max(1, hits + copied)}
 
 

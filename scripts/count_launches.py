@@ -95,7 +95,7 @@ def build(args, dev):
                       sink_blocks=1, recent_blocks=2, kernels=args.kernels)
     dt = torch.bfloat16 if dev == "cuda" else torch.float32
     eng = OasisSparseKV(cfg, L, B * per + bs, B + 1, H, D, D, dt, dev, ops=get_kv_ops(args.kernels),
-                        predictor="previous")
+                        predictor="previous", padding_row=None if args.eager else 0)
     rt = torch.zeros((B + 1, per), dtype=torch.int32, device=dev)
     rt[1:] = (bs + torch.arange(B, device=dev)[:, None] * per + torch.arange(per, device=dev)[None]).int()
     rows = torch.arange(1, B + 1, device=dev)
@@ -127,8 +127,6 @@ def main() -> int:
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     eng, rt, rows, dt = build(args, dev)
     B, L, H, D = args.batch, args.layers, args.kv_heads, args.head_dim
-    eng.graph_mode = not args.eager
-    eng.padding_row = 0 if not args.eager else None
     seq = torch.full((B,), args.context, device=dev)
 
     def inputs():
@@ -141,9 +139,14 @@ def main() -> int:
 
     def step(x):
         qkv, sq, loc, mx, rows_h, seq_h = x
+        if args.eager:     # the step's host check reads the host record (no device read)
+            eng.begin_decode_step(rows, sq, rt, max_seq_len=mx, rows_host=rows_h, seq_lens_host=seq_h)
+        else:              # what a captured step records (the replay's host bookkeeping launches nothing)
+            eng.begin_decode_step(rows, sq, rt, mode="capture")
+            eng.prepare_step_device()
         for l, (q, k, v) in enumerate(qkv):
             eng.write_kv(l, loc, k, v, decode=True)
-            eng.decode_attention(l, q, k, v, rows, sq, rt, None, mx, rows_host=rows_h, seq_lens_host=seq_h)
+            eng.decode_attention(l, q, k, v, None)
 
     step(inputs())                                    # warm-up (first step, compiles on CUDA)
     per_step = []

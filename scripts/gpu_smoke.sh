@@ -10,7 +10,7 @@
 #             scripts/bench_pipeline.py -> $OUT/bench_pipeline/; BENCH=kernels | paired | pipeline | none
 #             runs only bench_kernels, only its paired-forward section, only bench_pipeline, or neither)
 #   stage 3: carry .gpuhost/kit .gpuhost/c3                    -> bash scripts/gpu_smoke.sh 3 [pytest args]
-#            (TESTS="tests/test_e2e_lookahead.py" picks other test files)
+#            (TESTS="tests/e2e/test_e2e_lookahead.py" picks other test files)
 #   stage 4: carry .gpuhost/kit .gpuhost/model (after stages 1-2) -> bash scripts/gpu_smoke.sh 4 [bench_oasis args]
 #            (scripts/bench_oasis.py on the Qwen3-8B-shaped dummy -> $OUT/bench_oasis/: JSON, tables, plots, logs.tgz;
 #             the issue-5 suite takes several calls: copy the returned bench_oasis/ to out/bench_oasis,
@@ -24,7 +24,7 @@ case $stage in
   1)
     bash .gpuhost/kit/install.sh .gpuhost/whl1; cp .gpuhost/c1/part /tmp/ch/p1
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-    PYTHONPATH=$PWD python3 -m pytest -q -rs -p no:cacheprovider tests/test_kernels.py tests/test_core.py tests/test_prefetch.py "$@" 2>&1 | tee ${OUT:-/tmp}/gpu_kernels.log
+    PYTHONPATH=$PWD python3 -m pytest -q -rs -p no:cacheprovider tests/kernels/test_kernels.py tests/core/test_engine.py tests/core/test_prefetch.py "$@" 2>&1 | tee ${OUT:-/tmp}/gpu_kernels.log
     # exact CUDA kernel count of a graph-mode decode step at Qwen3-8B head shapes (profiler)
     PYTHONPATH=$PWD python3 scripts/count_launches.py --batch 32 --context 2048 --budget 2048 --layers 4 \
       --kv-heads 8 --group 4 --head-dim 128 --out ${OUT:-/tmp}/count_launches || true
@@ -54,7 +54,7 @@ case $stage in
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
     export OASIS_ATTENTION_BACKEND=torch_native OASIS_TEST_OUT=${OUT:-/tmp/out}
     python3 -m oasis_sglang.cli prepare-model
-    python3 -m pytest -v -rs ${TESTS:-tests/test_core.py tests/test_e2e.py} "$@" 2>&1 | tee ${OUT:-/tmp}/gpu_smoke.log
+    python3 -m pytest -v -rs ${TESTS:-tests/core/test_engine.py tests/e2e/test_e2e.py} "$@" 2>&1 | tee ${OUT:-/tmp}/gpu_smoke.log
     ;;
   4)
     bash .gpuhost/kit/install.sh .gpuhost/whl1 .gpuhost/whl2 --model .gpuhost/model || { echo "host was restarted: start over"; exit 5; }

@@ -35,7 +35,7 @@ def main() -> int:
 
     from oasis_sglang import needle
     from oasis_sglang.models import prepare_smollm2
-    from oasis_sglang.sglang_glue.launch import base_args, launch, oasis_args
+    from oasis_sglang.testing.launch import base_args, launch, oasis_args
 
     model = str(prepare_smollm2())
     tok = AutoTokenizer.from_pretrained(model)

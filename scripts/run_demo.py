@@ -28,7 +28,7 @@ LOG_EVERY = 4
 def _counter_deltas(first: str, last: str) -> dict:
     """Differences of the cumulative counters (``parse_decode_counters``: decode steps, admitted /
     evicted blocks, H2D MiB) between two ``OasisKV decode`` lines; a field either lacks is left out."""
-    from oasis_sglang.sglang_glue.launch import parse_decode_counters
+    from oasis_sglang.sglang_glue.log_line import parse_decode_counters
 
     a, b = parse_decode_counters(first), parse_decode_counters(last)
     return {k: b[k] - a[k] for k in ("decode_steps", "admitted_blocks", "evicted_blocks", "h2d_mib")
@@ -62,7 +62,8 @@ def main() -> int:
 
     from oasis_sglang import needle
     from oasis_sglang.models import prepare_smollm2
-    from oasis_sglang.sglang_glue.launch import base_args, has_cuda, launch, oasis_args, parse_residency
+    from oasis_sglang.sglang_glue.log_line import parse_residency
+    from oasis_sglang.testing.launch import base_args, has_cuda, launch, oasis_args
 
     model = str(prepare_smollm2())
     tok = AutoTokenizer.from_pretrained(model)

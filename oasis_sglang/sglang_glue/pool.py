@@ -83,11 +83,12 @@ class OasisKVPool(MHATokenToKVPool):
 
 def build_mha_kv_pool_hook(original, self, *args, **kwargs):
     """AROUND ``KVCacheConfigurator._build_mha_kv_pool``: OasisKVPool when ``--kv-sparse oasis``."""
-    sa = self.server_args
-    if getattr(sa, "kv_sparse", "none") != "oasis" or getattr(self, "is_draft_worker", False):
-        return original(self, *args, **kwargs)      # the draft model keeps SGLang's own pool
     import functools
 
-    cfg = OasisConfig.from_json(sa.kv_sparse_config)
+    from .server_args import oasis_config
+
+    cfg = oasis_config(self.server_args)
+    if cfg is None or getattr(self, "is_draft_worker", False):
+        return original(self, *args, **kwargs)      # the draft model keeps SGLang's own pool
     kwargs["mha_pool_class"] = functools.partial(OasisKVPool, oasis_cfg=cfg)
     return original(self, *args, **kwargs)

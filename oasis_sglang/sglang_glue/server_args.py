@@ -7,6 +7,7 @@ Raises ``OasisConfigError`` (a ``ValueError``) naming the flag or key on bad inp
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -18,6 +19,28 @@ logger = logging.getLogger(__name__)
 SUPPORTED_ATTENTION_BACKENDS = ("torch_native", "triton", "intel_amx")   # intel_amx: CPU (EAGLE needs it there)
 DEFAULT_MAX_RUNNING_REQUESTS = 64
 PAIRED_FORWARD_ALGORITHMS = ("EAGLE3", "EAGLE", "STANDALONE", "NGRAM")   # NGRAM: model-free drafts
+
+
+def oasis_config(server_args) -> OasisConfig | None:
+    """The server's validated :class:`OasisConfig`, or ``None`` without ``--kv-sparse oasis``.
+
+    The one place the glue reads ``--kv-sparse-config``: ``handle_kv_sparse_args`` stores the
+    normalised JSON back in ``server_args`` at start-up, and every later reader (pool, backend,
+    draft backend; in the scheduler process too, where the args arrive pickled) gets the config
+    parsed once per JSON text.
+
+    Raises:
+        OasisConfigError: the stored JSON is not a valid config (only if it was changed after
+            start-up).
+    """
+    if getattr(server_args, "kv_sparse", "none") != "oasis":
+        return None
+    return _parse_config(server_args.kv_sparse_config)
+
+
+@functools.lru_cache(maxsize=8)
+def _parse_config(text: str | None) -> OasisConfig:
+    return OasisConfig.from_json(text)
 
 
 def _is_cpu(args) -> bool:

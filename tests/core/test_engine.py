@@ -171,8 +171,8 @@ def _run_request(eng, layer, row, n_prompt, n_decode, Hq, rt, free_locs, dtype=t
     outs = []
     for t in range(n_prompt, n):
         eng.write_kv(layer, locs[t:t + 1], K[t:t + 1], V[t:t + 1])
-        o = eng.decode_attention(layer, Q[t:t + 1], K[t:t + 1], V[t:t + 1], torch.tensor([row]),
-                                 torch.tensor([t + 1]), rt, None)
+        eng.begin_decode_step(torch.tensor([row]), torch.tensor([t + 1]), rt)
+        o = eng.decode_attention(layer, Q[t:t + 1], K[t:t + 1], V[t:t + 1], None)
         outs.append(o[0])
     return pre, outs, Q, K, V
 
@@ -210,7 +210,7 @@ def test_engine_refuses_bad_calls_naming_the_argument(seed):
     with pytest.raises(ValueError, match=r"layer 0 is dense .*serves layers \[1, 2\]"):
         eng.write_kv(0, torch.arange(5), k, k)
     with pytest.raises(ValueError, match="layer 7 is not a layer of this model"):
-        eng.decode_attention(7, q[:1], k[:1], k[:1], torch.tensor([1]), torch.tensor([5]), rt, None)
+        eng.decode_attention(7, q[:1], k[:1], k[:1], None)
     with pytest.raises(ValueError, match=r"want loc \[N\]"):
         eng.write_kv(1, torch.arange(4), k, k)
     with pytest.raises(ValueError, match=r"extend_lens \[3\] \(sum 3\).*q of 5 tokens"):
@@ -219,12 +219,19 @@ def test_engine_refuses_bad_calls_naming_the_argument(seed):
         eng.extend_attention(1, q, torch.tensor([1]), torch.tensor([0, 0]), torch.tensor([5]), rt, None)
     for bad in ({"max_seq_len": 0}, {"rows_host": [1], "seq_lens_host": [0]}, {"rows_host": [-1], "seq_lens_host": [5]}):
         with pytest.raises(ValueError, match="want"):
-            eng.decode_attention(1, q[:1], k[:1], k[:1], torch.tensor([1]), torch.tensor([5]), rt, None, **bad)
+            eng.begin_decode_step(torch.tensor([1]), torch.tensor([5]), rt, **bad)
+    with pytest.raises(ValueError, match="unknown|not a valid"):
+        eng.begin_decode_step(torch.tensor([1]), torch.tensor([5]), rt, mode="graph")
+    with pytest.raises(RuntimeError, match="without begin_decode_step"):
+        eng.decode_attention(1, q[:1], k[:1], k[:1], None)
     torch.manual_seed(0)
     got = _run_request(eng, 1, 2, 37, 3, 6, rt, _paged_locs(37 + 3))[1]
     torch.manual_seed(0)
     ref = _run_request(_engine(budget=64), 1, 2, 37, 3, 6, rt.clone(), _paged_locs(37 + 3))[1]
     assert all(torch.equal(a, b) for a, b in zip(got, ref))
+    eng.begin_decode_step(torch.tensor([1, 2]), torch.tensor([5, 5]), rt)
+    with pytest.raises(ValueError, match="q has 1 rows but the step's batch has 2"):
+        eng.decode_attention(1, q[:1], k[:1], k[:1], None)
 
 
 def test_sparse_attends_exactly_the_resident_blocks(seed):
@@ -271,8 +278,8 @@ def test_first_decode_step_after_a_prefill_is_flagged(seed):
     _run_request(eng, 1, 2, 20, 1, 6, rt, _paged_locs(21))
     assert eng.stats.new_request_started        # first decode of row 2
     H, D = eng.head_num, eng.head_dim
-    eng.decode_attention(1, torch.randn(1, 6, D), torch.randn(1, H, D), torch.randn(1, H, D), torch.tensor([2]),
-                         torch.tensor([22]), rt, None)
+    eng.begin_decode_step(torch.tensor([2]), torch.tensor([22]), rt)
+    eng.decode_attention(1, torch.randn(1, 6, D), torch.randn(1, H, D), torch.randn(1, H, D), None)
     assert not eng.stats.new_request_started    # no prefill since: the request goes on
 
 

@@ -21,7 +21,7 @@ Two hooks (listed in ``hooks.HOOKS``), independent of ``--kv-sparse``:
   ``sgl_kernel``), but EAGLE has no ``torch_native`` draft/verify backend
   (``speculative/draft_utils.py``: "EAGLE is not supported in attention backend torch_native").
   With speculative decoding on the CPU engine and the oasis torch ops serving ``sgl_kernel``
-  (``oasis_sglang.cpu_ops``: ``decode_attention_cpu`` / ``extend_attention_cpu`` in torch), the
+  (``oasis_sglang.cpu.sgl_kernel_ops``: ``decode_attention_cpu`` / ``extend_attention_cpu`` in torch), the
   hook keeps ``intel_amx``; otherwise it defers to SGLang.
 """
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_pipeline.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_pipeline.py"
 
 
 @pytest.mark.parametrize("argv,msg", [

@@ -4,18 +4,18 @@ SGLang's verify pass (``--speculative-num-steps 1 --speculative-eagle-topk 1
 --speculative-num-draft-tokens 2``) is OasisKV's paired forward: the draft row's query predicts
 the next step's working set, and the draft is a probe that is never accepted
 (``sglang_glue/spec_probe.py``). On CPU SGLang's speculative workers run on the ``intel_amx``
-backend with the torch ops of ``oasis_sglang/cpu_ops.py``.
+backend with the torch ops of ``oasis_sglang/cpu/sgl_kernel_ops.py``.
 
 (a) EAGLE-3 with a random-weight draft head, predictor ``lookahead``, ``fetch_cap`` unbounded,
     budget >= context: greedy output identical to dense SGLang on the CPU engine (and so to the
-    synchronous ``current`` predictor, which tests/test_e2e.py ties to dense); on CUDA (bf16,
+    synchronous ``current`` predictor, which tests/e2e/test_e2e.py ties to dense); on CUDA (bf16,
     other kernels) it may leave dense only at a near-tie; one verify pass per token.
 (b) a draft that predicts well (SGLang's STANDALONE algorithm with SmolLM2 as its own draft
     model: the draft token is the model's own greedy next token, what a trained EAGLE-3 head
     approximates) at budget 512: the needle cases dense answers are answered too. A random
     draft head gives no useful look-ahead (docs/benchmarks.md), so (b) does not use it.
 
-A separate module from tests/test_e2e.py so that module's servers are stopped first, and at most
+A separate module from tests/e2e/test_e2e.py so that module's servers are stopped first, and at most
 two servers run at once: SGLang sizes its CPU KV pool from the memory available at start-up, and
 a swapping 2-core box trips SGLang's 300 s watchdog.
 """
@@ -27,7 +27,8 @@ import pytest
 
 from oasis_sglang import needle
 from oasis_sglang.models import prepare_smollm2_eagle3
-from oasis_sglang.sglang_glue.launch import base_args, has_cuda, launch, parse_residency
+from oasis_sglang.sglang_glue.log_line import parse_residency
+from oasis_sglang.testing.launch import base_args, has_cuda, launch
 from test_e2e import NEEDLE_CASES, NEEDLE_CFG, OUT, _exact_prompts, assert_dense_or_near_tie, chat, generate_ids
 
 pytestmark = pytest.mark.e2e
@@ -38,7 +39,7 @@ MAX_TOKENS = 16384   # KV pool of each server: the 6K-token needle fits; two ser
 
 
 def _spec_server(model, algorithm, draft, cfg, name, extra=()):
-    from oasis_sglang.sglang_glue.launch import oasis_args
+    from oasis_sglang.testing.launch import oasis_args
 
     spec_backend = "triton" if has_cuda() else "intel_amx"     # SGLang's draft worker has no torch_native
     args = [(spec_backend if a == "torch_native" else a) for a in base_args(max_total_tokens=MAX_TOKENS)]

@@ -1,23 +1,19 @@
-"""scripts/bench_oasis.py's planning and parsing (the GPU runs themselves are in docs/benchmarks.md)."""
+"""oasis_sglang/bench/serving.py (scripts/bench_oasis.py): planning and parsing (the GPU runs themselves are in docs/benchmarks.md)."""
 
-import importlib.util
 import sys
 from pathlib import Path
 
 import pytest
 
-from oasis_sglang.sglang_glue.backend import format_residency
+from oasis_sglang.sglang_glue.log_line import format_residency
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_oasis", ROOT / "scripts" / "bench_oasis.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_oasis"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    from oasis_sglang.bench import serving
+
+    return serving
 
 
 def _args(bench, *argv):
@@ -218,8 +214,7 @@ def _trace(tmp_path, events, gz=True):
 def test_profile_trace_splits_device_time(tmp_path):
     """Busy time is the union over streams; idle is the rest of the window; kernels go to their
     groups (SGLang's _fwd_* decode attention is not OasisKV's _stage1); CPU events are ignored."""
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import profile_trace as pt
+    from oasis_sglang.bench import profile_trace as pt
 
     k = lambda name, stream, ts, dur: {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur,  # noqa: E731
                                        "args": {"stream": stream}}
@@ -242,8 +237,7 @@ def test_profile_trace_splits_device_time(tmp_path):
 
 
 def test_profile_trace_rejects_what_it_cannot_read(tmp_path, capsys):
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import profile_trace as pt
+    from oasis_sglang.bench import profile_trace as pt
 
     with pytest.raises(ValueError, match="no GPU kernels"):
         pt.summarize(pt.load_gpu_events(_trace(tmp_path, [{"ph": "X", "cat": "cpu_op", "name": "a", "ts": 0, "dur": 1}])), 1)
@@ -262,8 +256,7 @@ def test_profile_trace_refuses_bad_events_naming_them(tmp_path, capsys):
     plain JSON is read whatever its suffix; a zero-length window still formats."""
     import gzip
 
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import profile_trace as pt
+    from oasis_sglang.bench import profile_trace as pt
 
     k = {"ph": "X", "cat": "kernel", "name": "nvjet", "ts": 0, "dur": 5, "args": [1]}     # args not a dict: no stream
     assert pt.load_gpu_events(_trace(tmp_path, [k]))[0][1] is None
@@ -327,7 +320,7 @@ def test_stall_suite_pairs_the_16k_run_with_its_no_transfer_ablation(bench):
 def test_decode_counters_parse_the_line_the_backend_writes():
     """``parse_decode_counters`` (bench_oasis, run_demo) reads back every number
     ``format_residency`` writes, so a change of the log line cannot silently zero the figures."""
-    from oasis_sglang.sglang_glue.launch import parse_decode_counters
+    from oasis_sglang.sglang_glue.log_line import parse_decode_counters
 
     r = {"context_tokens": [5000, 70], "device_working_set_tokens": [512, 70], "budget_tokens": 512,
          "sparse_layers": 28, "hit_blocks": 300, "admitted_blocks": 100, "evicted_blocks": 7, "bytes_h2d": 3 * 2**20,

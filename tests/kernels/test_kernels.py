@@ -484,7 +484,8 @@ def test_engine_triton_ops_equal_torch_ops(seed):
         truth_k[loc.cpu()], truth_v[loc.cpu()] = kn.cpu(), vn.cpu()
         for e in engines:
             e.write_kv(1, loc, kn, vn, decode=True)
-            outs.append(e.decode_attention(1, q, kn, vn, rows, seq, rtt, None))
+            e.begin_decode_step(rows, seq, rtt)
+            outs.append(e.decode_attention(1, q, kn, vn, None))
         assert torch.equal(engines[0].ws.ids.cpu(), engines[1].ws.ids.cpu()), step
         assert ((outs[0] - outs[1]).norm() / outs[0].norm()).item() < ATTN_RTOL[torch.float32]
     a, b = (e.residency() for e in engines)

@@ -1,4 +1,4 @@
-"""Serve ``oasis_sglang.cpu_ops`` as ``sgl_kernel`` on hosts without CUDA.
+"""Serve ``oasis_sglang.cpu.sgl_kernel_ops`` as ``sgl_kernel`` on hosts without CUDA.
 
 Imported at interpreter start by ``oasis_sglang_cpu.pth`` (installed into site-packages by
 the wheel), so SGLang's own processes — including the scheduler subprocesses it spawns —
@@ -32,7 +32,7 @@ class _Loader(importlib.abc.Loader):
         return None
 
     def exec_module(self, module):
-        from oasis_sglang import cpu_ops
+        from oasis_sglang.cpu import sgl_kernel_ops as cpu_ops
 
         for name in cpu_ops.__all__:
             setattr(module, name, getattr(cpu_ops, name))

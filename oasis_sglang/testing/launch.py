@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -167,37 +166,3 @@ def launch(model: str, port: int, args: list[str], log_path: Path, timeout: floa
         f.close()
         raise
     return Server(url=url, proc=proc, log_path=log_path, _log=f)
-
-
-_RES = re.compile(r"context tokens \(host tier\): \[([^\]]*)\], device working set tokens per layer and KV head: "
-                  r"\[([^\]]*)\] \(budget (\d+)\)")
-
-
-def parse_residency(line: str) -> dict:
-    """Parse an ``OasisKV decode`` log line into ``{"context": [...], "device": [...], "budget": int}``."""
-    m = _RES.search(line)
-    if not m:
-        raise ValueError(f"not an OasisKV decode line: {line!r}")
-    ints = lambda s: [int(x) for x in s.split(",") if x.strip()]  # noqa: E731
-    return {"context": ints(m.group(1)), "device": ints(m.group(2)), "budget": int(m.group(3))}
-
-
-# numeric fields of an ``OasisKV decode`` line (``backend.format_residency``): the counters are
-# cumulative since start-up, so figures per request or per step are differences of two lines
-_COUNTERS = {"hit_rate": r"hit rate: ([\d.]+)", "admitted_blocks": r"admitted blocks: (\d+)",
-             "evicted_blocks": r"evicted blocks: (\d+)", "h2d_mib": r"H2D: ([\d.]+) MiB",
-             "host_tier_mib": r"host tier: ([\d.]+) MiB", "decode_steps": r"decode steps: (\d+)",
-             "graph_steps": r"cuda graph steps: (\d+)"}
-
-
-def parse_decode_counters(line: str) -> dict[str, float | None]:
-    """The numbers of an ``OasisKV decode`` log line: ``hit_rate`` (0-1, since start-up),
-    ``admitted_blocks`` / ``evicted_blocks`` (blocks, cumulative), ``h2d_mib`` (MiB copied host to
-    device, cumulative), ``host_tier_mib`` (MiB), ``decode_steps`` / ``graph_steps`` (cumulative);
-    None for a field the line lacks (an older format)."""
-    out = {}
-    for k, pat in _COUNTERS.items():
-        m = re.search(pat, line)
-        out[k] = float(m.group(1)) if m else None
-    return out
-

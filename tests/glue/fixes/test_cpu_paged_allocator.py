@@ -3,7 +3,7 @@
 import torch
 from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
 
-from oasis_sglang.sglang_glue.cpu_allocator import alloc_decode_hook, alloc_decode_torch, alloc_extend_hook
+from oasis_sglang.sglang_glue.fixes.cpu_paged_allocator import alloc_decode_hook, alloc_decode_torch, alloc_extend_hook
 
 
 def _alloc(page=4, size=64):

@@ -1,6 +1,6 @@
 """EAGLE-3 speculative decoding on SGLang's CPU engine (dense, no --kv-sparse).
 
-(a) the op-level tests are in tests/test_cpu_ops.py;
+(a) the op-level tests are in tests/cpu/test_sgl_kernel_ops.py;
 (b) end to end: SmolLM2 greedy output with EAGLE-3 (random-weight draft, intel_amx backend with
     the torch ops, num-steps 1, topk 1, 2 draft tokens) is token-for-token the output of plain
     dense SGLang (torch_native), for prompts sent together (batched verify);
@@ -19,9 +19,9 @@ import pytest
 import requests
 import torch
 
-from oasis_sglang.sglang_glue import spec_fix
+from oasis_sglang.sglang_glue.fixes import spec_cpu as spec_fix
 
-OUT = Path(os.environ.get("OASIS_TEST_OUT", Path(__file__).resolve().parents[1] / "out" / "tests"))
+OUT = Path(os.environ.get("OASIS_TEST_OUT", Path(__file__).resolve().parents[2] / "out" / "tests"))
 EAGLE_ARGS = ["--speculative-algorithm", "EAGLE3", "--speculative-num-steps", "1",
               "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "2"]
 N_NEW = 32
@@ -37,7 +37,7 @@ def amx_backend_cls():
     from sglang.srt.plugins import load_plugins
     from sglang.srt.plugins.hook_registry import HookRegistry
 
-    import oasis_sglang.cpu_ops  # noqa: F401 - registers torch.ops.sgl_kernel.*_attention_cpu without CUDA
+    import oasis_sglang.cpu.sgl_kernel_ops  # noqa: F401 - registers torch.ops.sgl_kernel.*_attention_cpu without CUDA
     from oasis_sglang.sglang_glue import hooks
 
     load_plugins()
@@ -131,7 +131,7 @@ def test_verify_attention_is_wrong_without_the_fix(amx_backend_cls, monkeypatch,
 def _draft_decode_case(cls):
     """Step 0 of a multi-step draft decode (num-steps 2, topk 2): per-candidate lengths L+1."""
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
-    from oasis_sglang.cpu_ops import build_draft_decode_metadata_cpu
+    from oasis_sglang.cpu.sgl_kernel_ops import build_draft_decode_metadata_cpu
 
     topk, steps, lens, rows = 2, 2, torch.tensor([7, 3]), torch.tensor([0, 2])
     kb, vb = torch.randn(64, 2, 32), torch.randn(64, 2, 32)
@@ -201,7 +201,7 @@ def _generate(url, ids):
 def servers():
     """Dense SGLang (torch_native) and SGLang + EAGLE-3 (intel_amx + the torch ops), started together."""
     from oasis_sglang.models import prepare_smollm2, prepare_smollm2_eagle3
-    from oasis_sglang.sglang_glue.launch import base_args, launch, has_cuda
+    from oasis_sglang.testing.launch import base_args, launch, has_cuda
 
     if has_cuda():
         pytest.skip("CPU-engine test")
@@ -256,7 +256,7 @@ EXTRA = pytest.mark.skipif(os.environ.get("OASIS_EAGLE_EXTRA") != "1",
 
 def _eagle_server(name, draft, spec_args, env=None):
     from oasis_sglang.models import prepare_smollm2
-    from oasis_sglang.sglang_glue.launch import base_args, launch
+    from oasis_sglang.testing.launch import base_args, launch
 
     args = [("intel_amx" if a == "torch_native" else a) for a in base_args(max_total_tokens=8192)]
     saved = {k: os.environ.get(k) for k in (env or {})}

@@ -9,6 +9,7 @@ import torch
 
 from oasis_sglang.config import OasisConfig, OasisConfigError
 from oasis_sglang.core import OasisSparseKV
+from oasis_sglang.core.bench_hooks import BenchHooks
 from oasis_sglang.core.attention import decode_attention
 from oasis_sglang.core.ops import TorchKVOps
 from oasis_sglang.core.prefetch import PREDICTORS, get_predictor
@@ -17,10 +18,10 @@ BS, H, HQ, D = 4, 2, 6, 16          # D >= 16: the Triton kernels (CUDA-graph te
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
-def _engine(budget, predictor, fetch_cap=None, rows=4, device="cpu", measure=False, layers=3):
+def _engine(budget, predictor, fetch_cap=None, rows=4, device="cpu", measure=False, layers=3, padding_row=None):
     cfg = OasisConfig(budget_tokens=budget, block_size=BS, sink_blocks=1, recent_blocks=2, dense_layers=(0,),
                       fetch_cap=fetch_cap, predictor=predictor, measure_agreement=measure)
-    return OasisSparseKV(cfg, layers, 1024, rows, H, D, D, torch.float32, device)
+    return OasisSparseKV(cfg, layers, 1024, rows, H, D, D, torch.float32, device, padding_row=padding_row)
 
 
 class Run:
@@ -59,17 +60,19 @@ class Run:
         ``host``: pass the rows and lengths as host integers too (what the SGLang glue does)."""
         e, t, outs = self.eng, self.t, {}
         seq = torch.full((len(self.rows),), t + 1)
+        hk = dict(rows_host=self.rows.tolist(), seq_lens_host=seq.tolist()) if host else {}
+        e.begin_decode_step(self.rows.to(self.dev), seq.to(self.dev), self.rt, max_seq_len=t + 1, **hk)
         for l in e.sparse_layers:
             if hook:
                 hook(l)
             k, v = self.K[l][:, t].to(self.dev), self.V[l][:, t].to(self.dev)
             e.write_kv(l, self.loc(t), k, v, decode=True)
-            kw = dict(rows_host=self.rows.tolist(), seq_lens_host=seq.tolist()) if host else {}
+            kw = dict(hk)
             if draft:
                 kw.update(q_draft=self.Qd[l][:, t].to(self.dev), k_draft=torch.randn(len(self.rows), H, D).to(self.dev),
                           v_draft=torch.randn(len(self.rows), H, D).to(self.dev))
-            outs[l] = e.decode_attention(l, self.Q[l][:, t].to(self.dev), k, v, self.rows.to(self.dev), seq.to(self.dev),
-                                         self.rt, None, t + 1, **kw)
+            outs[l] = e.decode_attention(l, self.Q[l][:, t].to(self.dev), k, v, None,
+                                         **{a: b for a, b in kw.items() if a not in hk})
             if draft:
                 outs[l] = (outs[l], kw)
         self.t += 1
@@ -166,10 +169,10 @@ def test_capped_eviction_bounds_traffic_under_prediction_drift(seed, cap, predic
     run.prefill()
     run.step(draft=predictor == "lookahead")
     L = len(eng.sparse_layers)
-    copied = eng._counters[:, 1].sum().item()
+    copied = eng.counters[:, 1].sum().item()
     for _ in range(60):
         run.step(draft=predictor == "lookahead")
-        now = eng._counters[:, 1].sum().item()
+        now = eng.counters[:, 1].sum().item()
         assert now - copied <= cap * 3 * H * L, "fetch_cap exceeded"
         copied = now
         held = (eng.ws.ids[:, run.rows] >= 0).sum(-1)
@@ -189,7 +192,7 @@ def test_unpredicted_context_falls_back_to_synchronous_selection(seed, host):
     ``host`` the decision comes from the host mirror (no device read), confirmed on the device
     at every step here."""
     a, b = _engine(16, "previous"), _engine(16, "current")
-    a.host_check_interval = 1
+    a.bench.host_check_interval = 1
     torch.manual_seed(7)
     ra = Run(a, [2], 20, 40)
     torch.manual_seed(7)
@@ -203,40 +206,39 @@ def test_unpredicted_context_falls_back_to_synchronous_selection(seed, host):
         assert torch.equal(oa[l], ob[l])
     ra.step(host=host)
     assert a.stats.sync_steps == 1, "predicted again from the next step on"
-    assert (a._pred_host is not None) == host, "the mirror agreed with the device at every step"
-    before = dict(a._pred_host or {})
+    assert (a.record.host is not None) == host, "the mirror agreed with the device at every step"
+    before = dict(a.record.host or {})
     a.residency()
     if host:
-        assert a._pred_host == before, "and with the device's whole record"
+        assert a.record.host == before, "and with the device's whole record"
     else:
-        assert a._pred_host == {2: ra.t + 1}, "a record dropped for lack of host rows is rebuilt at the report"
+        assert a.record.host == {2: ra.t + 1}, "a record dropped for lack of host rows is rebuilt at the report"
 
 
 def test_host_mirror_follows_resets_and_is_rebuilt_at_reports(seed):
     eng = _engine(16, "previous")
-    eng.host_check_interval = 1
+    eng.bench.host_check_interval = 1
     run = Run(eng, [1, 2], 20, 40)
     run.prefill()
-    assert eng._pred_host == {1: 21, 2: 21}, "the prefill predicts the first decode step"
+    assert eng.record.host == {1: 21, 2: 21}, "the prefill predicts the first decode step"
     run.step(host=True)
-    assert eng.stats.sync_steps == 0 and eng._pred_host == {1: 22, 2: 22}
+    assert eng.stats.sync_steps == 0 and eng.record.host == {1: 22, 2: 22}
     eng.reset_rows([1])
-    assert eng._pred_host == {2: 22}
+    assert eng.record.host == {2: 22}
     run.step(host=True)                     # row 1 lost its prediction: this step selects synchronously
-    assert eng.stats.sync_steps == 1 and eng._pred_host is not None
-    eng._pred_host[2] += 5                  # a corrupted record is caught at the next report ...
+    assert eng.stats.sync_steps == 1 and eng.record.host is not None
+    eng.record.host[2] += 5                  # a corrupted record is caught at the next report ...
     eng.residency()
-    assert eng._pred_host == {1: run.t + 1, 2: run.t + 1}, "... and rebuilt from the device"
+    assert eng.record.host == {1: run.t + 1, 2: run.t + 1}, "... and rebuilt from the device"
     run.step()                              # a caller without host values: the mirror is dropped ...
-    assert eng._pred_host is None and not eng.can_replay([1, 2], [run.t + 1] * 2)
+    assert eng.record.host is None and not eng.can_replay([1, 2], [run.t + 1] * 2)
     run.t += 1
     run.step(host=True)                     # ... the device record decides meanwhile ...
     assert eng.stats.sync_steps == 2
     eng.residency()                         # ... until the next report rebuilds the host record
-    assert eng._pred_host == {1: run.t + 1, 2: run.t + 1} and eng.can_replay([1, 2], [run.t + 1] * 2)
+    assert eng.record.host == {1: run.t + 1, 2: run.t + 1} and eng.can_replay([1, 2], [run.t + 1] * 2)
     with pytest.raises(ValueError, match="rows_host"):
-        eng.decode_attention(1, torch.randn(2, HQ, D), torch.randn(2, H, D), torch.randn(2, H, D), run.rows,
-                             torch.full((2,), run.t + 1), run.rt, None, rows_host=[1], seq_lens_host=[3])
+        eng.begin_decode_step(run.rows, torch.full((2,), run.t + 1), run.rt, rows_host=[1], seq_lens_host=[3])
 
 
 def test_reset_rows_drops_predictions_and_slots(seed):
@@ -245,8 +247,8 @@ def test_reset_rows_drops_predictions_and_slots(seed):
     run.prefill()
     run.step()
     eng.reset_rows([1])
-    assert (eng.ws.ids[:, 1] == -1).all() and int(eng._pred_seq[1]) == -1
-    assert int(eng._pred_seq[2]) == run.t + 1
+    assert (eng.ws.ids[:, 1] == -1).all() and int(eng.record.seq[1]) == -1
+    assert int(eng.record.seq[2]) == run.t + 1
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="streams exist only on CUDA")
@@ -271,15 +273,16 @@ def test_reset_from_another_stream_waits_for_the_forward(seed):
     fwd, sched = torch.cuda.Stream(), torch.cuda.Stream()
     with torch.cuda.stream(fwd):
         torch.cuda._sleep(200_000_000)   # ~0.1 s
+        eng.begin_decode_step(rows, seq, run.rt, max_seq_len=t + 1)
         for l in eng.sparse_layers:      # rewrites rows 1 and 2's block tables and slots
             q, k, v = x[l]
             eng.write_kv(l, loc, k, v, decode=True)
-            eng.decode_attention(l, q, k, v, rows, seq, run.rt, None, t + 1)
+            eng.decode_attention(l, q, k, v, None)
     with torch.cuda.stream(sched):
         eng.reset_rows([1])
     torch.cuda.synchronize()
     assert (eng.ws.ids[:, 1] == -1).all(), "the reset ran before the forward that was still writing the row"
-    assert (eng.ws.ids[:, 2] >= 0).any() and int(eng._pred_seq[1]) == -1
+    assert (eng.ws.ids[:, 2] >= 0).any() and int(eng.record.seq[1]) == -1
 
 
 def test_no_transfer_ablation_plans_admissions_but_copies_nothing(seed, monkeypatch):
@@ -290,17 +293,20 @@ def test_no_transfer_ablation_plans_admissions_but_copies_nothing(seed, monkeypa
         monkeypatch.setenv("OASIS_ABLATE", ablate)
         torch.manual_seed(seed)
         eng = _engine(16, "previous", fetch_cap=2)
+        eng.bench = BenchHooks.from_env()
         run = Run(eng, [1, 2], 40, 60)
         run.prefill()
         for _ in range(4):
             run.step()
-        outs[ablate] = (eng.ws.ids.clone(), eng._counters.clone(), eng.ws.k[0].clone())
+        outs[ablate] = (eng.ws.ids.clone(), eng.counters.clone(), eng.ws.k[0].clone())
     assert torch.equal(outs[""][0], outs["no-transfer"][0]) and torch.equal(outs[""][1], outs["no-transfer"][1])
     assert int(outs[""][1][:, 1].sum()) > 0                      # blocks were admitted
     assert not torch.equal(outs[""][2], outs["no-transfer"][2])  # ... and only the normal run copied them
     monkeypatch.setenv("OASIS_ABLATE", "no-copy")
     with pytest.raises(OasisConfigError, match="OASIS_ABLATE"):
-        _engine(16, "previous")
+        BenchHooks.from_env()
+    with pytest.raises(TypeError, match="BenchHooks"):
+        _engine(16, "previous").bench = {"skip_admission_copy": True}
 
 
 def test_agreement_measurement(seed):
@@ -396,11 +402,12 @@ def test_bad_draft_arguments_are_refused_before_any_state_changes(seed):
     l, t = eng.sparse_layers[0], run.t
     q, k = run.Q[l][:, t], run.K[l][:, t]
     seq = torch.full((2,), t + 1)
+    eng.begin_decode_step(run.rows, seq, run.rt)
+    ids = eng.ws.ids.clone()
     with pytest.raises(ValueError, match="go together"):
-        eng.decode_attention(l, q, k, k, run.rows, seq, run.rt, None, q_draft=q)
+        eng.decode_attention(l, q, k, k, None, q_draft=q)
     with pytest.raises(ValueError, match="q_draft"):
-        eng.decode_attention(l, q, k, k, run.rows, seq, run.rt, None, q_draft=torch.randn(3, HQ, D),
-                             k_draft=k, v_draft=k)
+        eng.decode_attention(l, q, k, k, None, q_draft=torch.randn(3, HQ, D), k_draft=k, v_draft=k)
     assert torch.equal(eng.ws.ids, ids)
 
 
@@ -415,7 +422,7 @@ def test_prefill_rows_without_new_tokens_get_no_prediction(seed):
     eng.write_kv(l, rt[1, :12].long(), k, k)
     eng.extend_attention(l, torch.randn(12, HQ, D), torch.tensor([2, 1]), torch.tensor([0, 0]),
                          torch.tensor([0, 12]), rt, None, k, k)
-    assert eng.index[l] == 0 and int(eng._pred_seq[1]) == 13 and int(eng._pred_seq[2]) == -1
+    assert eng.index[l] == 0 and int(eng.record.seq[1]) == 13 and int(eng.record.seq[2]) == -1
 
 
 def test_measure_agreement_needs_a_predictor_that_predicts_ahead():
@@ -426,42 +433,42 @@ def test_measure_agreement_needs_a_predictor_that_predicts_ahead():
 
 
 def _graph_style_step(run, pad_rows=1):
-    """One decode step driven the way SGLang's decode CUDA-graph runner drives the glue: host
-    bookkeeping first (``graph_step``), then every sparse layer with ``graph_mode`` on and the
-    batch padded with request row 0 (context 1), as a captured batch of a larger size is."""
+    """One replayed decode step, as SGLang's decode CUDA-graph runner drives the glue: the host
+    bookkeeping first (``begin_decode_step`` in ``replay`` mode, real rows only), then the device
+    work the graph replays: what a ``capture`` step records (``prepare_step_device`` and every
+    sparse layer, the batch padded with request row 0 of context 1, as a captured batch of a
+    larger size is)."""
     e, t = run.eng, run.t
     B = len(run.rows)
     seq = torch.full((B,), t + 1)
-    e.graph_step(run.rows.tolist(), seq.tolist())
-    e.graph_mode = True
     rows = torch.cat([run.rows, torch.zeros(pad_rows, dtype=torch.long)])
     seq_p = torch.cat([seq, torch.ones(pad_rows, dtype=torch.long)])
+    e.begin_decode_step(rows, seq_p, run.rt, mode="replay", rows_host=run.rows.tolist(), seq_lens_host=seq.tolist())
+    assert e.step is None, "a replay's bookkeeping leaves no step for eager layers"
+    e.begin_decode_step(rows, seq_p, run.rt, mode="capture")
+    e.prepare_step_device()
     outs = {}
-    try:
-        for l in e.sparse_layers:
-            k = torch.cat([run.K[l][:, t], torch.randn(pad_rows, H, D)])
-            v = torch.cat([run.V[l][:, t], torch.randn(pad_rows, H, D)])
-            loc = torch.cat([run.loc(t), torch.zeros(pad_rows, dtype=torch.long)])
-            e.write_kv(l, loc, k, v, decode=True)
-            q = torch.cat([run.Q[l][:, t], torch.randn(pad_rows, HQ, D)])
-            outs[l] = e.decode_attention(l, q, k, v, rows, seq_p, run.rt, None, None)[:B]
-    finally:
-        e.graph_mode = False
+    for l in e.sparse_layers:
+        k = torch.cat([run.K[l][:, t], torch.randn(pad_rows, H, D)])
+        v = torch.cat([run.V[l][:, t], torch.randn(pad_rows, H, D)])
+        loc = torch.cat([run.loc(t), torch.zeros(pad_rows, dtype=torch.long)])
+        e.write_kv(l, loc, k, v, decode=True)
+        q = torch.cat([run.Q[l][:, t], torch.randn(pad_rows, HQ, D)])
+        outs[l] = e.decode_attention(l, q, k, v, None)[:B]
     run.t += 1
     return outs
 
 
 @pytest.mark.parametrize("predictor", ["previous", "current"])
 def test_graph_mode_steps_equal_eager_steps(seed, predictor):
-    """Steps run in CUDA-graph mode (host bookkeeping in ``graph_step``, the context bound taken
+    """Replayed steps (host bookkeeping in a ``replay`` step, the captured device work with the context bound taken
     from ``req_to_token``, a padding row that is never counted as a violation) attend exactly as
     eager steps do and leave the same working sets."""
     state = torch.random.get_rng_state()
     res = {}
     for mode in ("eager", "graph"):
         torch.random.set_rng_state(state)
-        eng = _engine(16, predictor, fetch_cap=1, rows=4)
-        eng.padding_row = 0
+        eng = _engine(16, predictor, fetch_cap=1, rows=4, padding_row=0)
         run = Run(eng, [1, 3], 30, 60)
         run.prefill()
         outs = []
@@ -493,11 +500,12 @@ def test_can_replay_needs_every_row_predicted(seed):
     assert not eng.can_replay([1, 2], [21, 22]), "a row predicted for another context"
     assert not eng.can_replay([1, 2], [21]), "lengths for another batch"
     assert not eng.can_replay([1, None], [21, 21]) and not eng.can_replay(None, None)
-    with pytest.raises(ValueError, match="graph_step"):
-        eng.graph_step([1, 2], [21])
-    with pytest.raises(ValueError, match="graph_step"):
-        eng.graph_step([1, None], [21, 21])
-    assert eng.stats.decode_steps == 0, "a refused graph_step changes nothing"
+    rt = run.rt
+    for bad in (dict(rows_host=[1, 2], seq_lens_host=[21]), dict(rows_host=[1, None], seq_lens_host=[21, 21]),
+                dict(rows_host=None, seq_lens_host=None)):
+        with pytest.raises(ValueError, match="replay"):
+            eng.begin_decode_step(run.rows, torch.tensor([21, 21]), rt, mode="replay", **bad)
+    assert eng.stats.decode_steps == 0, "a refused replay step changes nothing"
     eng.reset_rows([2])
     assert not eng.can_replay([1, 2], [21, 21]), "a freed row"
     run.step()                                # no host values: the host record is dropped ...
@@ -517,9 +525,8 @@ def test_cuda_graph_replay_equals_eager(seed, predictor):
     res = {}
     for mode in ("eager", "graph"):
         torch.random.set_rng_state(state)
-        eng = _engine(32, predictor, fetch_cap=2, rows=8, device="cuda")
-        eng.ops = get_kv_ops("triton")                 # the kernels SGLang captures (the references sync)
-        eng.padding_row = 0
+        # the kernels SGLang captures (the references sync)
+        eng = _engine(32, predictor, fetch_cap=2, rows=8, device="cuda", padding_row=0, ops=get_kv_ops("triton"))
         run = Run(eng, [3, 5, 7], 100, 160, "cuda")
         run.prefill()
         draft = predictor == "lookahead"
@@ -539,10 +546,11 @@ def test_cuda_graph_replay_equals_eager(seed, predictor):
             out = {}
 
             def step():
+                eng.prepare_step_device()
                 for l in L:
                     eng.write_kv(l, loc, kv[l][0], kv[l][1], decode=True)
                     kw = dict(q_draft=qd[l], k_draft=kd[l], v_draft=kd[l]) if draft else {}
-                    out[l] = eng.decode_attention(l, q[l], kv[l][0], kv[l][1], rows, seq, run.rt, None, None, **kw)
+                    out[l] = eng.decode_attention(l, q[l], kv[l][0], kv[l][1], None, **kw)
 
             def load(t):
                 seq[:3] = t + 1
@@ -553,7 +561,7 @@ def test_cuda_graph_replay_equals_eager(seed, predictor):
                     kv[l][0][:3], kv[l][1][:3] = run.K[l][:, t].cuda(), run.V[l][:, t].cuda()
                     kd[l][:3] = torch.randn(3, H, D)
 
-            eng.graph_mode = True
+            eng.begin_decode_step(rows, seq, run.rt, mode="capture")
             g = torch.cuda.CUDAGraph()
             eng.pipe.join()
             side = torch.cuda.Stream()
@@ -567,13 +575,13 @@ def test_cuda_graph_replay_equals_eager(seed, predictor):
             torch.cuda.synchronize()
             with torch.cuda.graph(g):
                 step()
-            eng.graph_mode = False
             rows[:3] = torch.tensor([3, 5, 7])
             for _ in range(12):
                 t = run.t
                 assert eng.can_replay([3, 5, 7], [t + 1] * 3)
                 load(t)
-                eng.graph_step([3, 5, 7], [t + 1] * 3)
+                eng.begin_decode_step(rows, seq, run.rt, mode="replay", rows_host=[3, 5, 7],
+                                      seq_lens_host=[t + 1] * 3)
                 g.replay()
                 outs.append({l: (o[:3] if not draft else (o[:3], None)) for l, o in out.items()})
                 outs[-1] = {l: v.clone() if not draft else (v[0].clone(), None) for l, v in outs[-1].items()}

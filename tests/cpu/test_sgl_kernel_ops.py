@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from oasis_sglang import cpu_ops
+from oasis_sglang.cpu import sgl_kernel_ops as cpu_ops
 
 
 def test_assign_req_to_token_pool_cpu(seed):
@@ -52,7 +52,7 @@ def _import_sgl_kernel(env_extra):
 
 
 def test_finder_serves_the_shim_without_cuda():
-    import oasis_sglang_cpu_shim as shim
+    from oasis_sglang.cpu import finder as shim
 
     if shim.cuda_driver_present():
         pytest.skip("CUDA driver present: the real sgl_kernel must load (tested on the GPU host)")
@@ -62,7 +62,7 @@ def test_finder_serves_the_shim_without_cuda():
 
 
 def test_finder_steps_aside_when_disabled_or_cuda_present():
-    import oasis_sglang_cpu_shim as shim
+    from oasis_sglang.cpu import finder as shim
 
     r = _import_sgl_kernel({"OASIS_DISABLE_CPU_SHIM": "1"})
     if shim.cuda_driver_present():
@@ -345,7 +345,7 @@ def test_extend_attention_cpu_sliding_window(seed):
 
 def test_attention_ops_are_registered_in_sgl_kernel_namespace():
     """The intel_amx backend reads them as ``torch.ops.sgl_kernel.*`` (registered without CUDA)."""
-    import oasis_sglang_cpu_shim as shim
+    from oasis_sglang.cpu import finder as shim
 
     if shim.cuda_driver_present():
         pytest.skip("CUDA driver present: the real sgl_kernel owns the namespace")

@@ -3,8 +3,8 @@
 PyPI ships ``sgl_kernel`` (package ``sglang-kernel``) for CUDA only; on a host without CUDA
 ``import sgl_kernel`` fails (``libcuda.so.1``), yet SGLang's CPU engine imports ops from it
 (``copy_all_layer_kv_cache_cpu`` in ``sglang/kernels/ops/kvcache/cache_move.py``, the
-speculative-decoding ops below, ...). The module ``oasis_sglang_cpu_shim`` (a top-level module
-run from ``oasis_sglang_cpu.pth`` at interpreter start) serves this module as ``sgl_kernel``
+speculative-decoding ops below, ...). ``oasis_sglang.cpu.finder`` (imported by
+``oasis_sglang_cpu.pth`` at interpreter start) serves this module as ``sgl_kernel``
 only when ``libcuda.so.1`` cannot be loaded, so the real ``sgl_kernel`` is never shadowed on a
 GPU host.
 

@@ -1,0 +1,683 @@
+"""OasisKV vs dense SGLang, side by side on one GPU host, through SGLang's own ``bench_serving``.
+
+The library behind ``scripts/bench_oasis.py`` (its command line is ``main``):
+
+    python scripts/bench_oasis.py [--suite all] [--resume] [--out out/bench_oasis]
+    python scripts/bench_oasis.py --suite all --list          # the planned runs
+    bash scripts/gpu_smoke.sh 4 --suite all --resume          # on the lent H200, call after call
+
+Each run is a real ``sglang serve`` on the Qwen3-8B-shaped dummy model (``$M``, random weights,
+``--load-format dummy``; its EAGLE-3 dummy draft is ``$D``; both from ../shared/gpu-host), started
+one after the other on the same GPU. ``python -m sglang.bench_serving`` sends the run's prompts
+(random ids, ``--output-len`` tokens each, greedy, ``ignore_eos``) all at once. Reported per run:
+
+* decode tok/s: the median of the server's ``Decode batch ... gen throughput`` log lines at the
+  most requests that ran at once (SGLang's own figure; the first such line, which spans the last
+  prefill, is left out), and that count ("most running": the concurrency measurement);
+* step ms: ``running / decode tok/s``;
+* output tok/s, median TPOT and TTFT: from ``bench_serving`` (they include the prefill);
+* for oasis, from its ``OasisKV decode`` lines: H2D MB per decode step and GB/s at that step
+  time, hit rate, decode steps replayed from CUDA graphs.
+
+Suites (``all`` runs the five issue-5 measurements; ``plan()`` says exactly what each runs):
+  throughput   dense with the KV pool of an 80 GB GPU (``--mem-fraction-static 0.475``: 22
+               requests of 16K) vs oasis with a host tier of ``--host-gib`` GiB, at 16K and 32K
+  concurrency  the most requests each of those keeps running at once
+  fetch-cap    oasis at 16K for each of ``--fetch-caps`` (paper Table 2)
+  context      4K, 8K, 16K, 32K, dense vs oasis (plot: ``context_sweep.png``; with ``all`` the
+               16K and 32K points are the throughput runs, measured once)
+  short        1K input, same pool for both: oasis / dense >= 0.97 is the target
+  stall        16K oasis with ``OASIS_ABLATE=no-transfer`` (admissions planned, not copied): the
+               exposed transfer share of the step is 1 - its step time / the 16K oasis run's
+  paired       issue 4's paired forward: oasis vs oasis-eagle3 (and dense, dense-eagle3)
+
+A full ``all`` takes longer than one 600 s device call: results go to ``<out>/bench_oasis.json``
+after every run and ``--resume`` skips the runs already there, so repeated calls complete it;
+``--deadline S`` starts no run that would end past S seconds (exit status 3: runs are left).
+Random weights give no real draft acceptance and no real attention pattern: these runs measure
+speed only; the predicted top-K is used as if it were real (the pipeline does the same work).
+Writes ``<out>/bench_oasis.md`` (tables), ``.json`` (raw), PNG plots and each server's log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+from ..argtypes import positive_float, positive_int
+from ..config import OasisConfig
+from ..sglang_glue.log_line import parse_decode_counters
+from ..testing.launch import launch, oasis_args
+from . import profile_trace
+
+DECODE = re.compile(r"Decode batch.*?#running-req: (\d+).*?gen throughput \(token/s\): ([\d.]+)")
+SERVING = {"output_tok_s": r"Output token throughput \(tok/s\):\s+([\d.]+)",
+           "median_tpot_ms": r"Median TPOT \(ms\):\s+([\d.]+)",
+           "median_itl_ms": r"Median ITL \(ms\):\s+([\d.]+)",
+           "median_ttft_ms": r"Median TTFT \(ms\):\s+([\d.]+)",
+           "completed": r"Successful requests:\s+(\d+)"}
+EAGLE = ["--speculative-algorithm", "EAGLE3", "--speculative-num-steps", "1", "--speculative-eagle-topk", "1",
+         "--speculative-num-draft-tokens", "2"]
+# the KV pool an 80 GB GPU holds for Qwen3-8B (issue 5; 367,922 tokens on the H200)
+DENSE_80GB_MEM_FRACTION = 0.475
+QWEN3_8B_KV_BYTES_PER_TOKEN = 36 * 8 * 128 * 2 * 2        # layers x KV heads x head_dim x (K, V) x bf16
+
+
+@dataclass(frozen=True)
+class Run:
+    """One server start and one ``bench_serving`` run.
+
+    ``batch``: prompts sent at once (= concurrency = ``--max-running-requests``). ``pool``:
+    ``"exact"`` sizes the KV pool (oasis: the host tier) to ``batch`` requests; ``"80gb"`` gives
+    dense the pool of an 80 GB GPU (``--mem-fraction-static 0.475``). ``host_requests``: oasis
+    host tier in requests of this length (default ``batch``).
+    """
+
+    key: str
+    system: str
+    input_len: int
+    output_len: int
+    batch: int
+    pool: str = "exact"
+    fetch_cap: int | None = None
+    host_requests: int | None = None
+
+
+def host_requests_for(ctx: int, host_gib: float) -> int:
+    """Requests of ``ctx`` tokens whose Qwen3-8B KV fits in ``host_gib`` GiB of host tier.
+    Raises ValueError (naming --host-gib) when not even one fits."""
+    n = int(host_gib * 2**30 // (ctx * QWEN3_8B_KV_BYTES_PER_TOKEN))
+    if n < 1:
+        raise ValueError(f"--host-gib {host_gib:g} holds no request of {ctx} tokens "
+                         f"({ctx * QWEN3_8B_KV_BYTES_PER_TOKEN / 2**30:.2f} GiB of Qwen3-8B KV)")
+    return n
+
+
+def plan(suite: str, a) -> list[Run]:
+    """The runs of ``suite`` (``all`` = the five issue-5 measurements, in this order).
+
+    throughput   dense (80 GB pool) vs oasis (host tier of ``--host-gib``) at 16K and 32K input
+    concurrency  the same runs' "most running": what each system keeps running at once at 16K
+    fetch-cap    oasis at 16K for each of ``--fetch-caps`` (paper Table 2): tok/s and H2D GB/s
+    context      dense vs oasis at 4K, 8K, 16K, 32K (80 GB pool / host tier), plotted
+    short        1K input: oasis / dense >= 0.97 expected (same pool for both)
+    stall        16K oasis without the admission copies (``OASIS_ABLATE=no-transfer``), beside the
+                 16K throughput run: the exposed transfer cost inside SGLang's graph replays
+    paired       the paired forward (issue 4): oasis vs oasis-eagle3 (and dense, dense-eagle3)
+    """
+    out, o = [], a.output_len
+    # oasis runs name their fetch cap (the config's default when --fetch-cap is not given), so
+    # the fetch-cap run at the default cap is the 16K throughput run, measured once
+    cap = a.fetch_cap if a.fetch_cap is not None else OasisConfig().fetch_cap
+    sysargs = lambda: a.systems or ["dense", "oasis"]  # noqa: E731
+
+    def long_runs(ctxs, tag):
+        for n in ctxs:
+            hr = host_requests_for(n + o + 64, a.host_gib)
+            for sy in sysargs():
+                b = hr if sy.startswith("oasis") else max(hr, a.dense_batch)
+                out.append(Run(f"{tag}/{n}/{sy}", sy, n, o, b, "80gb" if sy.startswith("dense") else "exact",
+                               None if sy.startswith("dense") else cap, hr))
+
+    if suite in ("throughput", "concurrency", "all"):
+        long_runs(a.input_lens or [16384, 32768], "throughput")
+    if suite in ("fetch-cap", "all"):
+        n = 16384
+        hr = host_requests_for(n + o + 64, a.host_gib)
+        for c in a.fetch_caps:
+            out.append(Run(f"fetch-cap/{c}", "oasis", n, o, hr, "exact", c, hr))
+    if suite in ("context", "all"):
+        long_runs(a.input_lens or [4096, 8192, 16384, 32768], "context")
+    if suite in ("short", "all"):
+        for sy in sysargs():
+            out.append(Run(f"short/1024/{sy}", sy, 1024, o, a.batch, "exact", None if sy.startswith("dense") else cap))
+    if suite in ("stall", "all"):
+        n = 16384
+        hr = host_requests_for(n + o + 64, a.host_gib)
+        if suite == "stall":
+            out.append(Run(f"throughput/{n}/oasis", "oasis", n, o, hr, "exact", cap, hr))
+        out.append(Run(f"stall/{n}/oasis-no-transfer", "oasis-no-transfer", n, o, hr, "exact", cap, hr))
+    if suite == "paired":
+        for sy in a.systems or ["oasis", "oasis-eagle3", "dense", "dense-eagle3"]:
+            out.append(Run(f"paired/{a.input_len}/{sy}", sy, a.input_len, o, a.batch, "exact",
+                           None if sy.startswith("dense") else cap))
+    if suite == "all":       # the context sweep repeats the throughput runs at 16K and 32K, the
+        #                      fetch-cap suite the 16K oasis run at the default cap: measure once
+        seen, uniq = {}, []
+        for r in out:
+            k = (r.system, r.input_len, r.output_len, r.batch, r.pool, r.fetch_cap)
+            if k not in seen:
+                seen[k] = r
+                uniq.append(r)
+        out = uniq
+    return out
+
+
+def system_args(run: Run, a) -> list[str]:
+    """Server flags of ``run`` (system ``dense``, ``dense-eagle3``, ``oasis`` or ``oasis-eagle3``)."""
+    name = run.system
+    ctx = run.input_len + run.output_len + 64
+    # oasis refuses a budget above the context length: short runs get room for it (both systems)
+    args = ["--load-format", "dummy", "--attention-backend", "triton", "--sampling-backend", "pytorch",
+            "--max-running-requests", str(run.batch), "--context-length", str(max(ctx, a.budget + 64)),
+            "--log-level", "info", "--decode-log-interval", "10"]
+    if run.pool == "80gb":
+        args += ["--mem-fraction-static", str(DENSE_80GB_MEM_FRACTION)]
+    else:
+        args += ["--max-total-tokens", str((run.host_requests or run.batch) * ctx)]
+    if name.startswith("dense"):
+        args += ["--disable-prefill-cuda-graph", "--cuda-graph-max-bs", str(max(8, run.batch))]
+    else:
+        cfg = {"budget_tokens": a.budget, "kernels": "triton"}
+        if run.fetch_cap is not None:
+            cfg["fetch_cap"] = run.fetch_cap
+        if a.predictor:
+            cfg["predictor"] = a.predictor
+        args += oasis_args(**cfg)
+        if not name.endswith("eagle3"):
+            args += ["--cuda-graph-max-bs", str(max(8, run.batch))]
+        if a.eager:
+            args += ["--disable-cuda-graph"]
+    if name.endswith("eagle3"):
+        args += EAGLE + ["--speculative-draft-model-path", os.environ.get("D", "$D")]
+    return args
+
+
+def bench_serving(url: str, run: Run, out: Path, timeout: int) -> dict:
+    """``sglang.bench_serving``: ``run.batch`` random-id prompts sent at once; the figures it prints."""
+    tag = run.key.replace("/", "_")
+    cmd = [sys.executable, "-m", "sglang.bench_serving", "--backend", "sglang", "--base-url", url,
+           "--dataset-name", "random-ids", "--random-input-len", str(run.input_len), "--random-output-len",
+           str(run.output_len), "--random-range-ratio", "1", "--num-prompts", str(run.batch), "--max-concurrency",
+           str(run.batch), "--tokenize-prompt", "--tokenizer", os.environ["M"], "--model", os.environ["M"],
+           "--disable-tqdm", "--seed", "1", "--output-file", str(out / f"serving_{tag}.jsonl")]
+    if os.environ.get("DS"):
+        cmd += ["--dataset-path", os.environ["DS"]]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    (out / f"bench_serving_{tag}.txt").write_text(" ".join(cmd) + "\n" + r.stdout + "\n" + r.stderr[-4000:])
+    if r.returncode:
+        raise RuntimeError(f"bench_serving for {run.key} exited {r.returncode}: {r.stderr[-2000:]}")
+    res = {}
+    for k, pat in SERVING.items():
+        m = re.search(pat, r.stdout)
+        res[k] = float(m.group(1)) if m else None
+    return res
+
+
+def oasis_figures(lines: list[str], step_ms: float | None) -> dict:
+    """H2D traffic per decode step (and GB/s at ``step_ms``) between the first and last
+    ``OasisKV decode`` lines, with the last line's hit rate, graph steps and host-tier size."""
+    vals = [parse_decode_counters(ln) for ln in lines]
+    if not vals:
+        return {}
+    last = vals[-1]
+    res = {"hit_rate": last["hit_rate"], "graph_steps": last["graph_steps"], "host_tier_gb": (last["host_tier_mib"] or 0) * 2**20 / 1e9}
+    first = vals[0]
+    if first["decode_steps"] is not None and last["decode_steps"] and last["decode_steps"] > first["decode_steps"]:
+        mb = (last["h2d_mib"] - first["h2d_mib"]) * 2**20 / 1e6 / (last["decode_steps"] - first["decode_steps"])
+        res["h2d_mb_per_step"] = mb
+        res["h2d_gb_s"] = mb / step_ms if step_ms else None
+    return res
+
+
+def steady_running(log: str, lines_needed: int = 3) -> int | None:
+    """The running-request count once the decode phase is steady: the last ``lines_needed``
+    ``Decode batch`` lines show the same count, and no earlier line showed more. None before."""
+    counts = [int(n) for n, _ in DECODE.findall(log)]
+    if len(counts) < lines_needed or len(set(counts[-lines_needed:])) != 1 or counts[-1] < max(counts):
+        return None
+    return counts[-1]
+
+
+def profile_steady_decode(srv, tag: str, steps: int, tdir: Path, done, timeout: float = 600,
+                          grace: float = 60) -> dict:
+    """Once ``srv``'s decode phase is steady (``steady_running``), ask SGLang's profiler for
+    ``steps`` forward passes of GPU activity (``POST /start_profile``) and summarise the trace
+    (``profile_trace.summarize``). Runs in a thread beside ``bench_serving``.
+
+    Returns ``{}`` when the benchmark ended (``done`` set) before a steady phase, else the
+    summary plus ``running`` (requests running when it started), or ``{"error": ...}``: the
+    server refused, the trace is not a usable GPU trace, or no trace came within ``grace``
+    seconds after the benchmark ended (fewer than ``steps`` forward passes were left)."""
+    import requests
+
+
+    t0 = time.time()
+    start = len(srv.log())              # only the benchmark's decode lines (not the warm-up request's)
+    while not done.is_set() and time.time() - t0 < timeout:
+        n = steady_running(srv.log()[start:])
+        if n:
+            break
+        time.sleep(0.5)
+    else:
+        return {}
+    tdir.mkdir(parents=True, exist_ok=True)
+    try:
+        r = requests.post(srv.url + "/start_profile", json={
+            "output_dir": str(tdir), "num_steps": steps, "activities": ["GPU"], "profile_id": tag,
+            "with_stack": False, "record_shapes": False}, timeout=120)
+        r.raise_for_status()
+    except Exception as e:  # noqa: BLE001 - the benchmark's figures stand without the profile
+        return {"error": f"/start_profile: {e.__class__.__name__}: {str(e)[:300]}"}
+    last_err, ended = None, None
+    while True:
+        traces = sorted(tdir.glob(f"{tag}-TP-*.trace.json*"))     # SGLang names it <profile_id>-TP-<rank>
+        if traces:
+            try:
+                s = profile_trace.summarize(profile_trace.load_gpu_events(traces[0]), steps)
+            except (EOFError, OSError) as e:     # the scheduler process is still writing it
+                last_err = e
+            except ValueError as e:              # whole but unusable: no retry
+                for t in traces:
+                    t.unlink()
+                return {"error": str(e)[:300]}
+            else:
+                for t in traces:
+                    t.unlink()
+                return {**s, "running": n}
+        if done.is_set():
+            ended = ended or time.time()
+            if time.time() - ended > grace:
+                return {"error": f"no readable trace {grace:.0f} s after the benchmark ended (fewer than {steps} "
+                                 f"forward passes left?{'' if last_err is None else f' last: {last_err!r}'})"}
+        time.sleep(0.5)
+
+
+def run_one(run: Run, a, out: Path) -> dict:
+    """Start the server of ``run``, benchmark it, stop it; its figures (``error`` when it failed).
+
+    With ``--profile-steps N`` a thread profiles ``N`` steady decode steps meanwhile (result
+    field ``profile``, table ``profile_<run>.md``)."""
+    log_path = out / f"server_{run.key.replace('/', '_')}.log"
+    base = {"key": run.key, "system": run.system, "input_len": run.input_len, "output_len": run.output_len,
+            "batch": run.batch, "pool": run.pool, "fetch_cap": run.fetch_cap, "host_requests": run.host_requests,
+            "date": time.strftime("%Y-%m-%d %H:%M")}
+    t0 = time.time()
+    ablate = run.system == "oasis-no-transfer"
+    try:
+        if ablate:
+            os.environ["OASIS_ABLATE"] = "no-transfer"        # read by the server's OasisKV engine
+        srv = launch(os.environ["M"], 0, system_args(run, a), log_path, timeout=a.timeout, echo=False)
+    except Exception as e:  # noqa: BLE001 - report and go on with the next run
+        return {**base, "error": f"start failed: {e.__class__.__name__}: {str(e)[:300]}"}
+    finally:
+        if ablate:
+            os.environ.pop("OASIS_ABLATE", None)
+    try:
+        res = {**base, "start_s": round(time.time() - t0, 1)}
+        prof, done = {}, None
+        if a.profile_steps:
+            import threading
+
+            tag = run.key.replace("/", "_")
+            done = threading.Event()
+            th = threading.Thread(target=lambda: prof.update(
+                profile_steady_decode(srv, tag, a.profile_steps, out / ".traces", done)), daemon=True)
+            th.start()
+        try:
+            res.update(bench_serving(srv.url, run, out, a.timeout))
+        finally:
+            if done is not None:
+                done.set()
+                th.join(timeout=120)           # the thread gives up 60 s after the benchmark ends
+        if done is not None:
+            if th.is_alive():
+                prof = {"error": "the profile thread did not finish within 120 s of the benchmark"}
+            if prof:
+                res["profile"] = dict(prof)
+            if prof and "error" not in prof:
+                try:
+                
+                    (out / f"profile_{tag}.md").write_text(
+                        profile_trace.markdown(prof, f"{run.key}, {prof['running']} running") + "\n")
+                except Exception as e:  # noqa: BLE001 - the benchmark's figures stand without the profile
+                    res["profile"] = {"error": f"{e.__class__.__name__}: {str(e)[:200]}"}
+        lines = [(int(n), float(g)) for n, g in DECODE.findall(srv.log())]
+        top = max((n for n, _ in lines), default=0)       # prefills stagger arrivals: not always --batch
+        full = [g for n, g in lines if n == top][1:] or [g for n, g in lines if n == top]   # first: since the prefill
+        res["max_running"] = top
+        res["decode_lines_at_max_running"] = len(full)
+        res["decode_tok_s"] = statistics.median(full) if full else None
+        res["step_ms"] = 1e3 * top / res["decode_tok_s"] if res["decode_tok_s"] else None
+        ol = srv.residency_lines()
+        res["oasis_line"] = ol[-1].split("OasisKV decode: ", 1)[-1] if ol else None
+        res.update(oasis_figures(ol, res["step_ms"]))
+        return res
+    except Exception as e:  # noqa: BLE001
+        return {**base, "error": f"{e.__class__.__name__}: {str(e)[:500]}"}
+    finally:
+        srv.stop()
+
+
+def _f(x, p=1):
+    return "-" if x is None else f"{x:.{p}f}"
+
+
+def suite_rows(results: list[dict], suite: str) -> list[dict]:
+    """The results of ``suite``, with the runs it shares with the throughput suite under ``all``:
+    the context sweep's 16K / 32K points and the fetch-cap run at the default cap (the 16K oasis
+    run), unless the suite measured them itself."""
+    rows = [r for r in results if r["key"].startswith(suite + "/") and "error" not in r]
+    rows += [r for r in results if r["key"].startswith(suite + "/") and "error" in r]
+    thr = [r for r in results if r["key"].startswith("throughput/") and "error" not in r]
+    if suite == "context" and rows:
+        have = {(r.get("system"), r.get("input_len")) for r in rows}
+        rows += [r for r in thr if (r.get("system"), r.get("input_len")) not in have]
+        rows.sort(key=lambda r: (r.get("input_len") or 0, r.get("system") or ""))
+    elif suite == "fetch-cap" and rows:
+        have = {r.get("fetch_cap") for r in rows}
+        rows += [r for r in thr if r.get("system") == "oasis" and r.get("input_len") == 16384
+                 and r.get("fetch_cap") is not None and r["fetch_cap"] not in have]
+        rows.sort(key=lambda r: r.get("fetch_cap") or 0)
+    return rows
+
+
+def _dense_of(r: dict, by: dict) -> dict | None:
+    """The dense run an oasis run is compared with (same suite and length; fetch-cap: 16K throughput)."""
+    if r["system"] != "oasis":
+        return None
+    if r["key"].startswith("fetch-cap/"):
+        return by.get("throughput/16384/dense")
+    return by.get(r["key"].rsplit("/", 1)[0] + "/dense")
+
+
+def tables(results: list[dict], a) -> str:
+    """Markdown: one table per suite present in ``results``, with the issue-5 ratios."""
+    by = {r["key"]: r for r in results}
+    md = [f"Qwen3-8B-shaped dummy (random weights: speed only), H200; oasis budget {a.budget}, predictor "
+          f"{a.predictor or 'default'}, {'eager' if a.eager else 'decode CUDA graphs'}; dense KV pool "
+          f"--mem-fraction-static {DENSE_80GB_MEM_FRACTION} (80 GB GPU) where marked 80gb; oasis host tier "
+          f"{a.host_gib} GiB unless sized to the batch.", ""]
+    head = ("| run | most running | decode tok/s | step ms | output tok/s | TPOT ms | TTFT s | H2D MB/step | H2D GB/s | "
+            "hit rate | vs dense |")
+    sep = "|---|---|---|---|---|---|---|---|---|---|---|"
+    for suite in ("throughput", "context", "fetch-cap", "short", "stall", "paired"):
+        rows = suite_rows(results, suite)
+        if not rows:
+            continue
+        md += [f"### {suite}", "", head, sep]
+        for r in rows:
+            if "error" in r:
+                err = " ".join(str(r["error"]).split())[:150].replace("|", "/")
+                md.append(f"| {r['key']} | failed: {err} |" + " |" * 9)
+                continue
+            dense = _dense_of(r, by)
+            ratio = (r["decode_tok_s"] / dense["decode_tok_s"]
+                     if dense and dense.get("decode_tok_s") and r.get("decode_tok_s") else None)
+            key = r["key"] if r["key"].startswith(suite + "/") or suite != "fetch-cap" else f"{r['key']} (cap {r.get('fetch_cap')})"
+            md.append(f"| {key} | {'-' if r.get('max_running') is None else r['max_running']} | {_f(r.get('decode_tok_s'))} | "
+                      f"{_f(r.get('step_ms'), 2)} | {_f(r.get('output_tok_s'))} | {_f(r.get('median_tpot_ms'), 2)} | "
+                      f"{_f((r.get('median_ttft_ms') or 0) / 1e3 if r.get('median_ttft_ms') else None)} | "
+                      f"{_f(r.get('h2d_mb_per_step'))} | {_f(r.get('h2d_gb_s'), 2)} | {_f(r.get('hit_rate'), 3)} | "
+                      f"{'-' if ratio is None else f'{ratio:.2f}x'} |")
+        md.append("")
+    st = next((r for r in results if r["key"] == "stall/16384/oasis-no-transfer" and r.get("step_ms")), None)
+    base_run = by.get("throughput/16384/oasis")
+    if st and base_run and base_run.get("step_ms"):
+        exp = 1 - st["step_ms"] / base_run["step_ms"]
+        md += ["### stall (exposed transfer inside SGLang's graph replays)", "",
+               "| context | running | oasis step ms | without admission copies ms | exposed transfer share of the step |",
+               "|---|---|---|---|---|",
+               f"| 16K | {base_run.get('max_running')} / {st.get('max_running')} | {base_run['step_ms']:.2f} | "
+               f"{st['step_ms']:.2f} | {100 * exp:.1f}% |", ""]
+    prof = [r for r in results if isinstance(r.get("profile"), dict) and "error" not in r["profile"]
+            and isinstance(r["profile"].get("groups_ms"), dict)
+            and all(isinstance(r["profile"].get(k), (int, float)) for k in ("running", "window_ms", "busy_frac", "idle_ms"))]
+    if prof:
+        groups = ["GEMMs", "dense attention (SGLang)", "sparse attention", "scoring", "top-K", "admission plan",
+                  "H2D copy", "append + summaries"]
+        md += ["### decode step profile (GPU time per step, SGLang's profiler)", "",
+               "| run | running | window ms | GPU busy | idle ms | " + " | ".join(groups) + " | other |",
+               "|---|---|---|---|---|" + "---|" * (len(groups) + 1)]
+        for r in prof:
+            p = r["profile"]
+            gm = p["groups_ms"]
+            other = sum(v for g, v in gm.items() if g not in groups)
+            md.append(f"| {r['key']} | {p['running']} | {p['window_ms']:.2f} | {100 * p['busy_frac']:.1f}% | "
+                      f"{p['idle_ms']:.2f} | " + " | ".join(f"{gm.get(g, 0.0):.2f}" for g in groups)
+                      + f" | {other:.2f} |")
+        md.append("")
+    return "\n".join(md)
+
+
+def plots(results: list[dict], out: Path) -> list[Path]:
+    """PNG plots: decode tok/s vs context (dense vs oasis) and vs fetch_cap (with H2D GB/s)."""
+    ip = sys.modules.get("IPython")
+    if ip is not None and not hasattr(ip, "version_info"):
+        # the GPU-host kit's IPython stand-in (imported by SGLang) lacks it; matplotlib's figure
+        # reads it and returns early at >= 8.24
+        ip.version_info = (8, 24)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plots (re-run with --plot-only on a machine that has it)", file=sys.stderr)
+        return []
+    made = []
+    ctx = [r for r in results if r["key"].split("/")[0] in ("context", "throughput") and r.get("decode_tok_s")]
+    if ctx:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for sy in sorted({r["system"] for r in ctx}):
+            pts = sorted({r["input_len"]: r["decode_tok_s"] for r in ctx if r["system"] == sy}.items())
+            ax.plot([p[0] / 1024 for p in pts], [p[1] for p in pts], marker="o", label=sy)
+        ax.set_xlabel("input length (K tokens)")
+        ax.set_ylabel("decode tok/s (all running)")
+        ax.set_title("Decode throughput vs context (80 GB-equivalent KV pool)")
+        ax.legend()
+        fig.tight_layout()
+        made.append(out / "context_sweep.png")
+        fig.savefig(made[-1], dpi=120)
+        plt.close(fig)
+    fc = [r for r in suite_rows(results, "fetch-cap") if r.get("decode_tok_s") and r.get("fetch_cap")]
+    if fc:
+        fig, ax = plt.subplots(figsize=(6.5, 4))
+        caps = [r["fetch_cap"] for r in fc]
+        l1 = ax.plot(caps, [r["decode_tok_s"] for r in fc], marker="o", label="oasis decode tok/s")
+        dense = next((r for r in results if r["key"] == "throughput/16384/dense" and r.get("decode_tok_s")), None)
+        if dense:
+            l1 += [ax.axhline(dense["decode_tok_s"], color="C0", ls="--", lw=1, label="dense decode tok/s")]
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(caps, [str(c) for c in caps])
+        ax.set_xlabel("fetch_cap (evicting admissions per step, request, layer, KV head)")
+        ax.set_ylabel("decode tok/s")
+        ax2 = ax.twinx()
+        l2 = ax2.plot(caps, [r.get("h2d_gb_s") or 0 for r in fc], marker="s", color="C1", label="H2D GB/s")
+        ax2.set_ylabel("H2D GB/s")
+        ax.set_title("Fetch-cap ablation, 16K context")
+        ax.legend(l1 + l2, [h.get_label() for h in l1 + l2], loc="center right", fontsize=8)
+        fig.tight_layout()
+        made.append(out / "fetch_cap.png")
+        fig.savefig(made[-1], dpi=120)
+        plt.close(fig)
+    return made
+
+
+T0 = time.time()
+
+
+def load_results(jpath: Path) -> tuple[list[dict], dict]:
+    """``(results, args)`` of a ``bench_oasis.json``; SystemExit with one line if it is malformed."""
+    try:
+        d = json.loads(jpath.read_text())
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"bench_oasis: cannot read {jpath}: {e}")
+    res = d.get("results") if isinstance(d, dict) else None
+    if not isinstance(res, list) or not all(isinstance(r, dict) and isinstance(r.get("key"), str)
+                                            and isinstance(r.get("system"), str) for r in res):
+        raise SystemExit(f"bench_oasis: {jpath} is not a bench_oasis results file (want {{'results': [{{'key', "
+                         f"'system', ...}}, ...]}})")
+    for r in res:
+        for f in NUMERIC_FIELDS:
+            v = r.get(f)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)):
+                raise SystemExit(f"bench_oasis: {jpath}: run {r['key']}: {f} is {v!r}, want a finite number or null")
+    return res, d.get("args") if isinstance(d.get("args"), dict) else {}
+
+
+# result fields the tables and plots format as numbers (load_results checks them)
+NUMERIC_FIELDS = ("input_len", "output_len", "batch", "fetch_cap", "max_running", "decode_tok_s", "step_ms",
+                  "output_tok_s", "median_tpot_ms", "median_ttft_ms", "h2d_mb_per_step", "h2d_gb_s", "hit_rate")
+RUN_FIELDS = ("system", "input_len", "output_len", "batch", "pool", "fetch_cap", "host_requests")
+
+
+def same_run(res: dict, run: Run) -> bool:
+    """Whether a stored result measured ``run`` as planned now (same system, lengths, batch, pool,
+    fetch cap and host tier), so ``--resume`` may skip it."""
+    return all(res.get(f) == getattr(run, f) for f in RUN_FIELDS)
+
+
+def main() -> int:
+    global T0
+    T0 = time.time()                      # --deadline counts from here
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--suite", choices=["all", "throughput", "concurrency", "fetch-cap", "context", "short", "stall",
+                                        "paired"],
+                    default="all")
+    ap.add_argument("--systems", nargs="+", default=None, choices=["dense", "oasis", "dense-eagle3", "oasis-eagle3", "oasis-no-transfer"],
+                    help="override the suite's systems")
+    ap.add_argument("--only", nargs="+", default=None, help="run only these run keys (see --list)")
+    ap.add_argument("--list", action="store_true", help="print the planned runs and exit")
+    ap.add_argument("--resume", action="store_true", help="skip runs already in <out>/bench_oasis.json (split a "
+                    "long suite over several calls)")
+    ap.add_argument("--plot-only", action="store_true", help="rewrite the tables and plots from <out>/bench_oasis.json")
+    ap.add_argument("--input-len", type=positive_int, default=16384, help="paired suite: input length")
+    ap.add_argument("--input-lens", type=positive_int, nargs="+", default=None, help="throughput / context: input lengths")
+    ap.add_argument("--output-len", type=positive_int, default=256)
+    ap.add_argument("--batch", type=positive_int, default=8, help="paired / short: requests sent together")
+    ap.add_argument("--dense-batch", type=positive_int, default=32,
+                    help="throughput / context: prompts sent to dense at least (its pool limits what runs)")
+    ap.add_argument("--host-gib", type=positive_float, default=96.0,
+                    help="oasis host tier, GiB of Qwen3-8B KV (pinned host memory; the H200 host has 128 GiB "
+                         "and served a 95.4 GB tier, 41 requests of 16K, on 2026-12-02)")
+    ap.add_argument("--budget", type=positive_int, default=2048, help="oasis budget_tokens")
+    ap.add_argument("--fetch-cap", type=positive_int, default=None, help="oasis fetch_cap (default: the config's)")
+    ap.add_argument("--fetch-caps", type=positive_int, nargs="+", default=[1, 2, 4, 8, 16], help="fetch-cap suite values")
+    ap.add_argument("--predictor", default="previous", choices=["previous", "lookahead", "current"],
+                    help="oasis predictor (previous: the asynchronous pipeline without a draft model)")
+    ap.add_argument("--eager", action="store_true", help="oasis without CUDA graphs")
+    ap.add_argument("--deadline", type=float, default=None,
+                    help="seconds after start-up past which no new run starts: a run starts only if its estimate "
+                         "still fits (the last run of its system and length in this call, else that system's last "
+                         "run scaled by context, else --run-estimate); a device call has a hard limit")
+    ap.add_argument("--run-estimate", type=float, default=240.0,
+                    help="seconds one run takes, for --deadline before a run has been timed")
+    ap.add_argument("--profile-steps", type=int, default=0,
+                    help="also profile this many steady decode steps of each run with SGLang's profiler "
+                         "(GPU time by kernel group and GPU idle time; oasis_sglang/bench/profile_trace.py)")
+    ap.add_argument("--timeout", type=positive_int, default=900, help="seconds for a server start / one bench_serving run")
+    ap.add_argument("--out", default=os.environ.get("OUT", "out") + "/bench_oasis")
+    a = ap.parse_args()
+    if not math.isfinite(a.run_estimate) or a.run_estimate <= 0 or a.deadline is not None and (
+            not math.isfinite(a.deadline) or a.deadline <= 0):
+        ap.error("--deadline and --run-estimate must be positive, finite seconds")
+    if not 0 <= a.profile_steps <= 64:
+        ap.error(f"--profile-steps must be 0 (off) to 64, got {a.profile_steps}")
+    try:                  # the oasis servers would each refuse a bad budget or cap at start-up
+        OasisConfig(budget_tokens=a.budget, fetch_cap=a.fetch_cap)
+        for c in a.fetch_caps:
+            OasisConfig(budget_tokens=a.budget, fetch_cap=c)
+    except ValueError as e:
+        ap.error(f"--budget / --fetch-cap(s): {e}")
+    if a.deadline is not None and a.deadline < a.run_estimate:
+        ap.error(f"--deadline {a.deadline:g} is below --run-estimate {a.run_estimate:g}: no run would start")
+    for name in ("fetch_caps", "input_lens", "systems"):
+        if getattr(a, name):
+            setattr(a, name, list(dict.fromkeys(getattr(a, name))))     # a repeated value is one run
+    try:
+        runs = plan(a.suite, a)
+    except ValueError as e:
+        ap.error(str(e))
+    if a.only:
+        unknown = set(a.only) - {r.key for r in runs}
+        if unknown:
+            ap.error(f"--only: unknown run keys {sorted(unknown)}; planned: {[r.key for r in runs]}")
+        runs = [r for r in runs if r.key in a.only]
+    if a.list:
+        for r in runs:
+            env = "OASIS_ABLATE=no-transfer " if r.system == "oasis-no-transfer" else ""
+            print(r.key, f"{env}sglang serve --model-path $M", " ".join(system_args(r, a)))
+        return 0
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    jpath = out / "bench_oasis.json"
+    results = []
+    if a.plot_only and not jpath.exists():
+        ap.error(f"--plot-only: no results at {jpath} (--out names the folder holding bench_oasis.json)")
+    if a.resume and not jpath.exists():
+        print(f"bench_oasis: --resume: no results at {jpath} yet; starting from scratch", file=sys.stderr)
+    if (a.resume or a.plot_only) and jpath.exists():
+        results, stored = load_results(jpath)
+        if a.plot_only:                   # the table header describes the stored runs
+            for k in ("budget", "predictor", "eager", "host_gib"):
+                if k in stored:
+                    setattr(a, k, stored[k])
+    if not a.plot_only:
+        for var in ("M",) + (("D",) if any(r.system.endswith("eagle3") for r in runs) else ()):
+            if not os.environ.get(var) or not Path(os.environ[var]).is_dir():
+                ap.error(f"environment variable {var}={os.environ.get(var, '')!r} must name the model folder "
+                         f"(source the gpu-host kit's env.sh)")
+        stored_by = {r["key"]: r for r in results}
+        todo = []
+        for r in runs:
+            old = stored_by.get(r.key)
+            if old is not None and "error" not in old and same_run(old, r):
+                continue
+            if old is not None and "error" not in old:
+                diff = {f: (old.get(f), getattr(r, f)) for f in RUN_FIELDS if old.get(f) != getattr(r, f)}
+                print(f"bench_oasis: --resume: {r.key} was measured with other settings {diff} (stored, planned): "
+                      "measuring it again", file=sys.stderr)
+            todo.append(r)
+        pending = False
+        took: dict[tuple, float] = {}        # (system, input_len) -> seconds of its last run in this call
+        for run in tqdm(todo, desc=f"bench_oasis {a.suite}", file=sys.stderr):
+            est = took.get((run.system, run.input_len))
+            if est is None:        # scale the last run of the system by context (prefill and KV grow with it)
+                same = [(n, t) for (sy, n), t in took.items() if sy == run.system]
+                est = max(t * max(1.0, run.input_len / n) for n, t in same) if same else a.run_estimate
+            if a.deadline is not None and time.time() - T0 + est > a.deadline:
+                left = [r.key for r in todo[todo.index(run):]]
+                print(f"bench_oasis: --deadline {a.deadline:.0f} s: {len(left)} runs left for --resume: {left}",
+                      file=sys.stderr)
+                pending = True
+                break
+            t_run = time.time()
+            res = run_one(run, a, out)
+            if "error" not in res:
+                took[(run.system, run.input_len)] = time.time() - t_run
+                res["run_s"] = round(took[(run.system, run.input_len)], 1)
+            print(json.dumps(res), file=sys.stderr, flush=True)
+            results = [r for r in results if r["key"] != run.key] + [res]
+            # written after every run: a call cut short keeps what it measured (--resume goes on)
+            jpath.write_text(json.dumps({"args": vars(a), "results": results}, indent=1))
+            (out / "bench_oasis.md").write_text(tables(results, a) + "\n")
+            mirror = os.environ.get("OASIS_BENCH_MIRROR")   # gpu_smoke.sh: $OUT, kept even if the call is cut
+            if mirror:
+                Path(mirror).mkdir(parents=True, exist_ok=True)
+                for f in ("bench_oasis.json", "bench_oasis.md"):
+                    (Path(mirror) / f).write_bytes((out / f).read_bytes())
+    md = tables(results, a)
+    (out / "bench_oasis.md").write_text(md + "\n")
+    for p in plots(results, out):
+        print(f"wrote {p}", file=sys.stderr)
+    print(md)
+    if not a.plot_only and pending:
+        return 3
+    planned = {r.key for r in runs}       # errors of stored runs outside this call's plan do not count
+    return 1 if any("error" in r for r in results if r["key"] in planned) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

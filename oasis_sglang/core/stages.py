@@ -1,0 +1,121 @@
+"""The three stages of OasisKV's per-layer prefetch: predict, select, transfer.
+
+Paper: Methodology, Asynchronous Prefetch Pipeline. For one sparse layer and a step whose
+context is ``seq`` tokens per request:
+
+  (a) predict   Quest upper-bound scores of a query against every block's min/max key
+                summary, top-K blocks per (request, KV head), sink / recent blocks forced
+                (``ops.select_topk``);
+  (b) select    plan admissions against the resident set: LRU eviction, at most ``fetch_cap``
+                evicting admissions per (request, KV head) (``ops.plan_transfer``);
+  (c) transfer  copy the admitted 4 KiB-class pieces from the host tier into their working-set
+                slots (``ops.copy_blocks``: the H2D gather kernel on CUDA).
+
+``OasisSparseKV`` runs them inline for a synchronous step, or queues them on
+``PrefetchPipeline`` (``core/prefetch.py``) to prepare the next step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import OasisConfig
+from .bench_hooks import BenchHooks
+from .host_tier import HostTier
+from .ops import BaseKVOps
+from .prediction import PredictionRecord
+from .prefetch import PrefetchPipeline
+from .summaries import KeySummaries
+from .working_set import WorkingSet
+
+
+class PrefetchStages:
+    """The stage functions over one engine's state (no state of their own but the
+    ``measure_agreement`` buffers).
+
+    Args:
+        cfg: the config. ops: the kernels. summaries, ws, host: the engine's state.
+        counters: ``[L, 4]`` int64 device counters (hits, admitted, evicted, written back).
+        pipe: the engine's ``PrefetchPipeline``. record: its ``PredictionRecord``.
+        bench: its ``BenchHooks`` (read at call time). padding_row: the request row that pads
+            a captured batch, or ``None``.
+    """
+
+    def __init__(self, cfg: OasisConfig, ops: BaseKVOps, summaries: KeySummaries, ws: WorkingSet, host: HostTier,
+                 counters: torch.Tensor, pipe: PrefetchPipeline, record: PredictionRecord, bench: BenchHooks,
+                 padding_row: int | None):
+        self.cfg, self.ops, self.summaries, self.ws, self.host = cfg, ops, summaries, ws, host
+        self.counters, self.pipe, self.record, self.bench, self.padding_row = counters, pipe, record, bench, padding_row
+        L, R, H = ws.L, ws.R, ws.H
+        dev = counters.device
+        self.agreement = torch.zeros((L, 2), dtype=torch.int64, device=dev)     # [hits, true blocks] per layer
+        self.pred_wanted = (torch.full((L, R, H, cfg.budget_blocks), -1, dtype=torch.int64, device=dev)
+                            if cfg.measure_agreement else None)
+
+    def predict(self, li: int, q: torch.Tensor, rows: torch.Tensor, seq: torch.Tensor, rtt: torch.Tensor,
+                nb_max: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stage (a): scores of ``q [B, Hq, D]`` and the top-K per (request, KV head) for a step
+        of context ``seq [B]``; blocks past ``nb_max`` are never candidates.
+
+        Returns:
+            ``(wanted, forced)`` ``[B, H, K]`` (int64 block ids, -1 padded; bool).
+        """
+        s, cfg = self.summaries, self.cfg
+        return self.ops.select_topk(q, s.kmin[li], s.kmax[li], rtt, rows, seq, cfg.block_size, cfg.sink_blocks,
+                                    cfg.recent_blocks, nb_max, cfg.budget_blocks)
+
+    def select(self, li: int, rows: torch.Tensor, seq: torch.Tensor, rtt: torch.Tensor, wanted: torch.Tensor,
+               forced: torch.Tensor, clock: torch.Tensor):
+        """Stage (b) (``ops.plan_transfer``) at LRU clock ``clock`` (0-dim int64 device tensor).
+
+        Returns:
+            The copy lists ``(dst, src, counts)`` of ``ops.plan_transfer``.
+        """
+        if self.pred_wanted is not None:
+            self.pred_wanted[li][rows] = torch.where(forced, -1, wanted)
+        return self.ops.plan_transfer(self.ws.ids[li], self.ws.last_used[li], rows, wanted, forced, clock,
+                                      self.cfg.fetch_cap, seq, rtt, self.cfg.block_size, self.host.num_pages,
+                                      self.counters[li], skip_row=self.padding_row)
+
+    def transfer(self, li: int, plan) -> None:
+        """Stage (c), H2D: the working-set pieces of ``plan = (dst, src, counts)`` from the host
+        tier (nothing under ``BenchHooks.skip_admission_copy``)."""
+        if self.bench.skip_admission_copy:
+            return
+        bs, D, Dv = self.cfg.block_size, self.host.head_dim, self.host.v_head_dim
+        dst, src, counts = plan
+        self.ops.copy_blocks(self.ws.k[li].view(-1, bs * D), self.ws.v[li].view(-1, bs * Dv), dst.reshape(-1),
+                             self.host.k[li].view(-1, bs * D), self.host.v[li].view(-1, bs * Dv), src.reshape(-1),
+                             counts=counts)
+
+    def run_now(self, li: int, q: torch.Tensor, rows: torch.Tensor, seq: torch.Tensor, rtt: torch.Tensor,
+                nb_max: int, clock: torch.Tensor) -> None:
+        """All three stages inline, on the current stream (a synchronous step).
+
+        A block with no token before the step's new one (it starts at ``seq - 1``) is admitted
+        without a copy: the new token is its first."""
+        wanted, forced = self.predict(li, q, rows, seq, rtt, nb_max)
+        self.transfer(li, self.select(li, rows, seq, rtt, wanted, forced, clock))
+
+    def launch(self, li: int, q: torch.Tensor, rows: torch.Tensor, seq_next: torch.Tensor, rtt: torch.Tensor,
+               nb_max_next: int, clock_next: torch.Tensor) -> None:
+        """Queue predict -> select -> transfer of layer ``li`` for the next step (context
+        ``seq_next``, LRU clock ``clock_next``) on the pipeline's streams, after the work queued
+        so far. The first sparse layer (``li == 0``) also marks the device prediction record."""
+        if li == 0:
+            self.record.mark(rows, seq_next)      # on the compute stream, read by the next step's check
+        self.pipe.launch(li, (
+            lambda _: self.predict(li, q, rows, seq_next, rtt, nb_max_next),
+            lambda wf: self.select(li, rows, seq_next, rtt, wf[0], wf[1], clock_next),
+            lambda plan: self.transfer(li, plan),
+        ), keep=(q, rows, seq_next, rtt, clock_next))
+
+    def measure(self, li: int, q: torch.Tensor, rows: torch.Tensor, seq: torch.Tensor, rtt: torch.Tensor,
+                nb_max: int) -> None:
+        """``measure_agreement``: |predicted top-K ∩ this step's own top-K| over the non-forced
+        blocks, accumulated per layer in ``agreement``."""
+        wanted, forced = self.predict(li, q, rows, seq, rtt, nb_max)
+        true = torch.where(forced, -1, wanted)                              # [B, H, K]
+        pred = self.pred_wanted[li][rows]
+        hit = ((true[..., :, None] == pred[..., None, :]) & (pred >= 0)[..., None, :]).any(-1) & (true >= 0)
+        self.agreement[li] += torch.stack([hit.sum(), (true >= 0).sum()])

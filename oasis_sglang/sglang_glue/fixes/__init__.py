@@ -1,0 +1,7 @@
+"""Fixes for SGLang 0.5.17 bugs and CPU gaps that are not OasisKV (each hook listed in ``hooks.HOOKS``).
+
+  spec_cpu             EAGLE / n-gram speculative decoding on the CPU engine: the intel_amx
+                       verify lengths (``intel_amx_backend.py:216`` / ``:262``), the backend's
+                       platform fallback, the n-gram corpus build include
+  cpu_paged_allocator  ``--page-size > 1`` on CPU: SGLang's paged allocator is Triton-only
+"""

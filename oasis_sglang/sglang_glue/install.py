@@ -1,0 +1,127 @@
+"""Building OasisKV into a model runner: the memory check, the engine, the wrapped backends.
+
+``init_attention_backends_hook`` runs AFTER SGLang's ``ModelRunner.init_attention_backends``
+(``model_executor/model_runner.py``), once the KV pool (``pool.OasisKVPool``) and the request
+table exist: it checks the model and the memory, builds ``core.OasisSparseKV``, attaches an
+:class:`~.runtime.OasisRuntime` to the request table and wraps every attention backend the
+runner holds in ``attn_backend.OasisAttnBackend``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ..config import OasisConfig, OasisConfigError
+from ..core import OasisSparseKV
+from ..core.bench_hooks import BenchHooks
+from .runtime import OasisRuntime
+
+logger = logging.getLogger(__name__)
+
+
+def init_attention_backends_hook(result, model_runner, *args, **kwargs):
+    """AFTER ``ModelRunner.init_attention_backends``: build the OasisKV state and wrap backends.
+
+    Raises:
+        OasisConfigError: an MLA/DSA model, a KV pool other than ``OasisKVPool`` (hybrid,
+            sliding-window or quantized KV), pipeline parallelism, or not enough memory.
+    """
+    from .server_args import oasis_config
+
+    sa = model_runner.server_args
+    cfg = oasis_config(sa)
+    if cfg is None or getattr(model_runner, "is_draft_worker", False):
+        return result                       # the draft model keeps SGLang's own KV cache and backend
+    from .attn_backend import OasisAttnBackend
+    from .log_line import DecodeLog
+    from .metrics import make_metrics
+    from .pool import OasisKVPool
+
+    mc = model_runner.model_config
+    arch = str(getattr(mc, "attention_arch", ""))
+    if "MLA" in arch.upper() or getattr(model_runner, "use_mla_backend", False):
+        raise OasisConfigError(f"--kv-sparse oasis: MLA/DSA models are not supported ({mc.hf_config.architectures})")
+    pool = model_runner.token_to_kv_pool
+    if not isinstance(pool, OasisKVPool):
+        raise OasisConfigError(
+            f"--kv-sparse oasis: this model uses {type(pool).__name__} (hybrid, sliding-window or "
+            f"quantized KV); only plain MHA/GQA KV caches are supported")
+    if pool.start_layer != 0 or pool.layer_num != mc.num_hidden_layers:
+        raise OasisConfigError("--kv-sparse oasis: pipeline parallelism is not supported")
+    rtp = model_runner.req_to_token_pool
+    dims = dict(num_layers=pool.layer_num, num_tokens=pool.size + pool.page_size, num_rows=rtp.req_to_token.shape[0],
+                head_num=pool.head_num, head_dim=pool.head_dim, v_head_dim=pool.v_head_dim)
+    check_memory(cfg, OasisSparseKV.memory_plan(cfg, **dims, dtype_bytes=torch.empty((), dtype=pool.dtype).element_size()),
+                 model_runner.device)
+    from oasis_sglang.kernels import get_kv_ops
+
+    ops = get_kv_ops(cfg.kernel_backend(torch.device(model_runner.device).type))
+    algo = str(getattr(sa, "speculative_algorithm", "") or "")
+    predictor = cfg.predictor_for(has_draft=bool(algo), model_free_draft=algo.upper() == "NGRAM")
+    draft_match = None
+    if algo:
+        from . import spec_probe
+
+        spec_probe.activate()
+        draft_match = spec_probe.draft_match
+    # ReqToTokenPool never hands out row 0; decode CUDA graphs pad with it
+    engine = OasisSparseKV(cfg, **dims, dtype=pool.dtype, device=model_runner.device, ops=ops, predictor=predictor,
+                           padding_row=0)
+    engine.bench = BenchHooks.from_env()
+    runtime = OasisRuntime(engine)
+    pool.oasis = engine
+    rtp._oasis = runtime
+    log = DecodeLog(engine, getattr(sa, "decode_log_interval", 40) or 40, make_metrics(sa), draft_match)
+    wrapped = {}
+
+    def wrap(b):
+        if b is None:
+            return None
+        if id(b) not in wrapped:
+            wrapped[id(b)] = OasisAttnBackend(b, runtime, pool, rtp, log)
+        return wrapped[id(b)]
+
+    model_runner.attn_backend = wrap(model_runner.attn_backend)
+    if getattr(model_runner, "decode_attn_backend", None) is not None:
+        model_runner.decode_attn_backend = wrap(model_runner.decode_attn_backend)
+    group = getattr(model_runner, "decode_attn_backend_group", None)
+    if group:
+        model_runner.decode_attn_backend_group = [wrap(b) for b in group]
+    logger.info(
+        "OasisKV: %s kernels, %s predictor, %d sparse / %d dense layers, budget %d tokens per request, layer and KV head "
+        "(%d blocks of %d), request rows %d; device working set %.1f MiB, summaries %.1f MiB, "
+        "host tier %.1f MiB (%d tokens)",
+        ops.name, engine.predictor.name, len(engine.sparse_layers), len(cfg.dense_layers), cfg.budget_tokens, cfg.budget_blocks,
+        cfg.block_size, engine.ws.R, engine.ws.nbytes / 2**20, engine.summaries.nbytes / 2**20,
+        engine.host.nbytes / 2**20, engine.host.capacity_tokens)
+    return result
+
+
+def check_memory(cfg: OasisConfig, plan: dict, device) -> None:
+    """Refuse to start when the OasisKV state cannot fit, naming the flags that size it.
+
+    Args:
+        plan: ``OasisSparseKV.memory_plan`` (bytes). device: the model runner's device.
+    Raises:
+        OasisConfigError: working set + summaries exceed free device memory, or the host tier
+            exceeds available host memory (on CPU, all three count against host memory).
+    """
+    import psutil
+
+    host_free = psutil.virtual_memory().available
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        dev_free = torch.cuda.mem_get_info(dev)[0]
+        host_need = plan["host_tier"]
+    else:   # CPU: everything lives in host memory
+        dev_free, host_need = host_free, plan["host_tier"] + plan["working_set"] + plan["summaries"]
+    gib = lambda b: f"{b / 2**30:.2f} GiB"  # noqa: E731
+    if plan["working_set"] + plan["summaries"] > dev_free or host_need > host_free:
+        raise OasisConfigError(
+            f"--kv-sparse oasis: not enough memory: device working set {gib(plan['working_set'])} "
+            f"(budget_tokens={cfg.budget_tokens} x --max-running-requests rows), summaries "
+            f"{gib(plan['summaries'])} and host tier {gib(plan['host_tier'])} (--max-total-tokens) vs "
+            f"{gib(dev_free)} free on {dev.type} and {gib(host_free)} host memory available; lower "
+            f"budget_tokens, --max-running-requests or --max-total-tokens")

@@ -1,0 +1,27 @@
+"""OasisRuntime: what the glue keeps for one model runner, shared by its hooks.
+
+Attached to SGLang's ``ReqToTokenPool`` (``req_to_token_pool._oasis``), which the scheduler,
+the model runner and the decode CUDA-graph runner all reach.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class OasisRuntime:
+    """Attributes:
+        engine: the model's ``core.OasisSparseKV``.
+        batch_rows_host: request rows of the batch the scheduler runs now (host integers,
+            batch order; ``scheduler_hooks.run_batch_hook``), or ``None``.
+    """
+
+    engine: object
+    batch_rows_host: list[int] | None = None
+
+
+def runtime_of(req_to_token_pool) -> OasisRuntime | None:
+    """The runtime attached to SGLang's ``ReqToTokenPool``, or ``None`` (``--kv-sparse none``,
+    or the draft model's pool)."""
+    return getattr(req_to_token_pool, "_oasis", None)

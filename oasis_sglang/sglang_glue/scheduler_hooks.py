@@ -1,0 +1,54 @@
+"""Hooks on SGLang's scheduler, request table and decode CUDA-graph runner.
+
+Each finds the model's :class:`~.runtime.OasisRuntime` on SGLang's ``ReqToTokenPool`` and
+delegates to the engine; without ``--kv-sparse oasis`` (or on the draft model) they do nothing.
+"""
+
+from __future__ import annotations
+
+from .runtime import runtime_of
+
+
+def run_batch_hook(self, batch, *args, **kwargs):
+    """BEFORE ``Scheduler.run_batch``: record the batch's request rows (host integers, batch
+    order), so the per-step prediction check and the CUDA-graph replay decision need no device
+    read (SGLang 0.5.17's ForwardBatch keeps its rows on the device)."""
+    rt = runtime_of(getattr(self, "req_to_token_pool", None))
+    if rt is not None:
+        reqs = getattr(batch, "reqs", None)
+        rows = None if reqs is None else [r.req_pool_idx for r in reqs]
+        rt.batch_rows_host = None if rows is None or any(r is None for r in rows) else rows
+    return None
+
+
+def can_run_graph_hook(result, self, forward_batch, *args, **kwargs):
+    """AFTER ``DecodeCudaGraphRunner.can_run_graph``: replay a decode step only when the OasisKV
+    engine says every row was predicted for this context (``OasisSparseKV.can_replay``, host
+    values only); otherwise SGLang runs it eagerly and the engine selects synchronously."""
+    if not result:
+        return result
+    mr = getattr(self, "model_runner", None)
+    rt = runtime_of(getattr(mr, "req_to_token_pool", None))
+    if rt is None or getattr(mr, "is_draft_worker", False) or not forward_batch.forward_mode.is_decode():
+        return result
+    rows, seq = rt.batch_rows_host, getattr(forward_batch, "seq_lens_cpu", None)
+    B = forward_batch.batch_size
+    if rows is None or seq is None or len(rows) != B or len(seq) != B:
+        return False
+    return rt.engine.can_replay(rows, seq.tolist())
+
+
+def req_free_hook(self, req, *args, **kwargs):
+    """BEFORE ``ReqToTokenPool.free``: free the request's working set."""
+    rt = runtime_of(self)
+    if rt is not None and req.req_pool_idx is not None:
+        rt.engine.reset_rows([req.req_pool_idx])
+    return None
+
+
+def req_clear_hook(result, self, *args, **kwargs):
+    """AFTER ``ReqToTokenPool.clear``: free every working set."""
+    rt = runtime_of(self)
+    if rt is not None:
+        rt.engine.reset_rows(list(range(rt.engine.ws.R)))
+    return result
