@@ -6,7 +6,7 @@ import torch
 
 # Kernel tests on a host without CUDA run the Triton kernels interpreted. Triton reads this flag
 # when it decorates functions, its own library included, so it must be set before anything
-# imports triton (SGLang does); servers started by the tests get it removed (launch.py).
+# imports triton (SGLang does); servers started by the tests get it removed (oasis_sglang/testing/launch.py).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 

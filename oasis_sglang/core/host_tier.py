@@ -60,7 +60,7 @@ class HostTier:
         pin_threads: threads that zero and page-lock the ``2 * num_layers`` buffers at once
             (default ``min(8, CPUs this process may run on)``; 1 = one after the other). On the
             H200 host zeroing + pinning ran at 3.4 GB/s in one thread and 14.2 GB/s in 8
-            (``scripts/bench_pin.py``, docs/benchmarks.md section 000); the CUDA runtime is
+            (``scripts/bench_pin.py``, docs/benchmarks/2026-12-02_issue5-suite.md); the CUDA runtime is
             thread-safe and each buffer is registered on its own.
 
     Raises:

@@ -40,8 +40,8 @@ def init_attention_backends_hook(result, model_runner, *args, **kwargs):
     from .pool import OasisKVPool
 
     mc = model_runner.model_config
-    arch = str(getattr(mc, "attention_arch", ""))
-    if "MLA" in arch.upper() or getattr(model_runner, "use_mla_backend", False):
+    arch = getattr(mc, "attention_arch", None)
+    if "MLA" in str(getattr(arch, "name", arch)).upper() or getattr(model_runner, "use_mla_backend", False):
         raise OasisConfigError(f"--kv-sparse oasis: MLA/DSA models are not supported ({mc.hf_config.architectures})")
     pool = model_runner.token_to_kv_pool
     if not isinstance(pool, OasisKVPool):

@@ -103,10 +103,10 @@ class DecodeLog:
         self._logged_step = -1
 
     def due(self) -> bool:
-        """A line is due: the last decode step started a request's decoding, or it is a
+        """A line is due: a decode step ran, the last one started a request's decoding or is a
         multiple of the interval, and no line was written for it yet."""
         s = self.engine.stats
-        return s.decode_steps != self._logged_step and (s.new_request_started or s.decode_steps % self.interval == 0)
+        return 0 < s.decode_steps != self._logged_step and (s.new_request_started or s.decode_steps % self.interval == 0)
 
     def maybe_log(self) -> None:
         """Write the line when ``due`` (reads the device counters: a host sync)."""

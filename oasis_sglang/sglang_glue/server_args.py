@@ -250,7 +250,7 @@ def _cuda_graph_config(args) -> dict:
 
 def _cuda_graph_args(args, cpu: bool) -> None:
     """CUDA graphs with OasisKV: the decode step is captured (SGLang's decode graph runner; the
-    engine's ``graph_mode``) with the ``full`` backend, prefill never is (it walks requests on
+    engine's ``capture`` / ``replay`` steps) with the ``full`` backend, prefill never is (it walks requests on
     the host). With a draft (the paired TARGET_VERIFY forward) and on CPU nothing is captured.
 
     Raises:

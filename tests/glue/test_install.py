@@ -1,0 +1,136 @@
+"""sglang_glue/install.py: the memory check and the hook that builds OasisKV into a model runner
+(real ServerArgs, KV pools, request table and SGLang attention backend on the CPU; ModelRunner
+itself is too heavy to build here, so the runner is a namespace holding those real objects)."""
+
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+from sglang.srt.configs.model_config import AttentionArch
+from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+from sglang.srt.server_args import ServerArgs
+
+from oasis_sglang.config import OasisConfig, OasisConfigError
+from oasis_sglang.core import OasisSparseKV
+from oasis_sglang.sglang_glue.attn_backend import OasisAttnBackend
+from oasis_sglang.sglang_glue.install import check_memory, init_attention_backends_hook
+from oasis_sglang.sglang_glue.pool import OasisKVPool
+from oasis_sglang.sglang_glue.runtime import OasisRuntime
+
+CFG = OasisConfig(budget_tokens=16, block_size=4, dense_layers=(0,))
+BIG = 10**15                                    # ~909 TiB: more than any host has
+
+
+def test_check_memory_passes_a_small_plan_on_the_cpu():
+    plan = OasisSparseKV.memory_plan(CFG, 3, 1024, 8, 2, 16, 16, 4)
+    assert 0 < sum(plan.values()) < 2**20
+    assert check_memory(CFG, plan, "cpu") is None
+    assert check_memory(CFG, plan, torch.device("cpu")) is None
+
+
+@pytest.mark.parametrize("part", ["working_set", "summaries", "host_tier"])
+def test_check_memory_refuses_a_plan_that_does_not_fit_naming_the_flags(part):
+    plan = {"working_set": 0, "summaries": 0, "host_tier": 0}
+    plan[part] = BIG
+    with pytest.raises(OasisConfigError) as e:
+        check_memory(CFG, plan, "cpu")
+    msg = str(e.value)
+    for flag in ("budget_tokens", "--max-running-requests", "--max-total-tokens"):
+        assert flag in msg, flag
+    assert msg.startswith("--kv-sparse oasis: not enough memory")
+    assert "budget_tokens=16 x --max-running-requests rows" in msg
+    assert f"{BIG / 2**30:.2f} GiB" in msg and "free on cpu" in msg
+
+
+# ---- init_attention_backends_hook ----------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def restore_env():
+    """ServerArgs with --kv-sparse oasis sets SGLang environment variables: put them back."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+@pytest.fixture(scope="module")
+def oasis_args(model, restore_env):
+    return ServerArgs(model_path=model, device="cpu", kv_sparse="oasis",
+                      kv_sparse_config='{"budget_tokens": 16, "block_size": 4, "dense_layers": [0]}')
+
+
+@pytest.fixture(scope="module")
+def plain_args(model, restore_env):
+    return ServerArgs(model_path=model, device="cpu")
+
+
+def _runner(server_args, pool_cls=OasisKVPool, layers=3, start_layer=None, **extra):
+    """What the hook reads of a ModelRunner after SGLang's init_attention_backends."""
+    kw = dict(oasis_cfg=OasisConfig.from_json(server_args.kv_sparse_config)) if pool_cls is OasisKVPool else {}
+    pool = pool_cls(size=64, page_size=4, dtype=torch.float32, head_num=2, head_dim=16, layer_num=layers,
+                    device="cpu", enable_memory_saver=False, start_layer=start_layer, **kw)
+    rtp = ReqToTokenPool(size=4, max_context_len=64, device="cpu", enable_memory_saver=False)
+    mr = SimpleNamespace(server_args=server_args, device="cpu", token_to_kv_pool=pool, req_to_token_pool=rtp,
+                         model_config=SimpleNamespace(attention_arch=AttentionArch.MHA, num_hidden_layers=3,
+                                                      hf_config=SimpleNamespace(architectures=["LlamaForCausalLM"])),
+                         use_mla_backend=False, is_draft_worker=False)
+    mr.attn_backend = TorchNativeAttnBackend(mr)
+    mr.__dict__.update(extra)
+    return mr
+
+
+def test_the_hook_builds_the_engine_and_wraps_the_backends(oasis_args, monkeypatch):
+    monkeypatch.delenv("OASIS_ABLATE", raising=False)
+    mr = _runner(oasis_args)
+    inner = mr.attn_backend
+    mr.decode_attn_backend = inner                    # the same backend twice: wrapped once
+    mr.decode_attn_backend_group = [inner, None]
+    sentinel = object()
+    assert init_attention_backends_hook(sentinel, mr) is sentinel
+    pool, rtp = mr.token_to_kv_pool, mr.req_to_token_pool
+    eng = pool.oasis
+    assert isinstance(eng, OasisSparseKV) and isinstance(rtp._oasis, OasisRuntime) and rtp._oasis.engine is eng
+    assert eng.sparse_layers == [1, 2] and eng.ws.R == rtp.req_to_token.shape[0] == 5
+    assert eng.host.capacity_tokens == pool.size + pool.page_size == 68
+    assert (eng.head_num, eng.head_dim, eng.v_head_dim, eng.host.dtype) == (2, 16, 16, torch.float32)
+    assert eng.padding_row == 0 and eng.predictor.name == "current" and eng.ops.name == "torch"
+    assert not eng.bench.skip_admission_copy
+    assert isinstance(mr.attn_backend, OasisAttnBackend) and mr.attn_backend.inner is inner
+    assert mr.decode_attn_backend is mr.attn_backend and mr.decode_attn_backend_group == [mr.attn_backend, None]
+    be = mr.attn_backend
+    assert be.runtime is rtp._oasis and be.pool is pool and be.req_to_token_pool is rtp and be.engine is eng
+    assert be.log.engine is eng and be.log.interval == oasis_args.decode_log_interval and be.log.metrics is None
+
+
+def test_the_hook_applies_oasis_ablate(oasis_args, monkeypatch):
+    monkeypatch.setenv("OASIS_ABLATE", "no-transfer")
+    mr = _runner(oasis_args)
+    init_attention_backends_hook(None, mr)
+    assert mr.token_to_kv_pool.oasis.bench.skip_admission_copy
+
+
+def test_without_kv_sparse_or_on_the_draft_model_the_runner_is_left_alone(plain_args, oasis_args):
+    for args, draft in ((plain_args, False), (oasis_args, True)):
+        mr = _runner(oasis_args)
+        mr.server_args, mr.is_draft_worker = args, draft
+        inner = mr.attn_backend
+        assert init_attention_backends_hook("r", mr) == "r"
+        assert mr.attn_backend is inner and mr.token_to_kv_pool.oasis is None
+        assert not hasattr(mr.req_to_token_pool, "_oasis")
+
+
+def test_the_hook_refuses_what_oasis_cannot_serve(oasis_args):
+    with pytest.raises(OasisConfigError, match="MHATokenToKVPool.*only plain MHA/GQA"):
+        init_attention_backends_hook(None, _runner(oasis_args, pool_cls=MHATokenToKVPool))
+    with pytest.raises(OasisConfigError, match="MLA/DSA models are not supported"):
+        init_attention_backends_hook(None, _runner(oasis_args, use_mla_backend=True))
+    mla = _runner(oasis_args)
+    mla.model_config.attention_arch = AttentionArch.MLA       # the model's own architecture, whatever the backend
+    with pytest.raises(OasisConfigError, match="MLA/DSA models are not supported"):
+        init_attention_backends_hook(None, mla)
+    with pytest.raises(OasisConfigError, match="pipeline parallelism"):
+        init_attention_backends_hook(None, _runner(oasis_args, layers=2))
+    with pytest.raises(OasisConfigError, match="pipeline parallelism"):
+        init_attention_backends_hook(None, _runner(oasis_args, start_layer=1))
