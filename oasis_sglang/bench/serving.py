@@ -17,7 +17,8 @@ one after the other on the same GPU. ``python -m sglang.bench_serving`` sends th
 * step ms: ``running / decode tok/s``;
 * output tok/s, median TPOT and TTFT: from ``bench_serving`` (they include the prefill);
 * for oasis, from its ``OasisKV decode`` lines: H2D MB per decode step and GB/s at that step
-  time, hit rate, decode steps replayed from CUDA graphs.
+  time and the admitted pieces per (request, sparse layer, KV head) per step, all from the steps
+  at the most running (``oasis_figures``), hit rate, decode steps replayed from CUDA graphs.
 
 Suites (``all`` runs the five issue-5 measurements; ``plan()`` says exactly what each runs):
   throughput   dense with the KV pool of an 80 GB GPU (``--mem-fraction-static 0.475``: 22
@@ -215,20 +216,58 @@ def bench_serving(url: str, run: Run, out: Path, timeout: int) -> dict:
     return res
 
 
-def oasis_figures(lines: list[str], step_ms: float | None) -> dict:
-    """H2D traffic per decode step (and GB/s at ``step_ms``) between the first and last
-    ``OasisKV decode`` lines, with the last line's hit rate, graph steps and host-tier size."""
+def oasis_figures(lines: list[str], step_ms: float | None, max_running: int | None = None,
+                  kv_heads: int | None = None) -> dict:
+    """Host-to-device traffic of the decode steps at the most requests running, from the
+    ``OasisKV decode`` lines' cumulative counters, with the last line's hit rate, graph steps and
+    host-tier size.
+
+    The counters are differences between consecutive lines that are both about a step of
+    ``max_running`` requests (the steps between them ran that batch: requests only leave at the
+    end), so the figures describe the step whose time is ``step_ms``, not an average over the
+    ramp-up and the tail (issue 17: the all-steps average read about half the traffic at 40
+    running). Without such a pair they fall back to the first and last lines
+    (``h2d_basis: "all steps"``).
+
+    Returns:
+        ``h2d_mb_per_step`` (MB, 1e6 bytes), ``h2d_gb_s`` (at ``step_ms``), ``h2d_basis``,
+        ``h2d_steps`` (decode steps the figures cover), ``admitted_per_head_step`` (admitted
+        pieces per request, sparse layer and KV head per step, when ``kv_heads`` and the running
+        count are known: at most ``fetch_cap`` plus forced sink / recent blocks), ``hit_rate``,
+        ``graph_steps``, ``host_tier_gb``; ``{}`` without lines.
+    """
     vals = [parse_decode_counters(ln) for ln in lines]
     if not vals:
         return {}
     last = vals[-1]
     res = {"hit_rate": last["hit_rate"], "graph_steps": last["graph_steps"], "host_tier_gb": (last["host_tier_mib"] or 0) * 2**20 / 1e9}
-    first = vals[0]
-    if first["decode_steps"] is not None and last["decode_steps"] and last["decode_steps"] > first["decode_steps"]:
-        mb = (last["h2d_mib"] - first["h2d_mib"]) * 2**20 / 1e6 / (last["decode_steps"] - first["decode_steps"])
-        res["h2d_mb_per_step"] = mb
-        res["h2d_gb_s"] = mb / step_ms if step_ms else None
+    keys = ("decode_steps", "h2d_mib", "admitted_blocks")
+    ok = [v for v in vals if all(v[k] is not None for k in keys)]
+    pairs = [(a, b) for a, b in zip(ok, ok[1:]) if max_running and a["running"] == b["running"] == max_running
+             and b["decode_steps"] > a["decode_steps"]]
+    basis, running = "most running", max_running
+    if not pairs and len(ok) >= 2 and ok[-1]["decode_steps"] > ok[0]["decode_steps"]:
+        pairs, basis, running = [(ok[0], ok[-1])], "all steps", None
+    if not pairs:
+        return res
+    steps = sum(b["decode_steps"] - a["decode_steps"] for a, b in pairs)
+    mb = sum(b["h2d_mib"] - a["h2d_mib"] for a, b in pairs) * 2**20 / 1e6 / steps
+    res.update(h2d_mb_per_step=mb, h2d_gb_s=mb / step_ms if step_ms else None, h2d_basis=basis, h2d_steps=steps)
+    layers = last.get("sparse_layers")
+    if running and kv_heads and layers:
+        adm = sum(b["admitted_blocks"] - a["admitted_blocks"] for a, b in pairs)
+        res["admitted_per_head_step"] = adm / steps / (running * layers * kv_heads)
     return res
+
+
+def kv_heads_of(model: str | os.PathLike) -> int | None:
+    """``num_key_value_heads`` (or ``num_attention_heads``) of the model folder's config.json, or None."""
+    try:
+        cfg = json.loads((Path(model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    n = cfg.get("num_key_value_heads", cfg.get("num_attention_heads"))
+    return n if isinstance(n, int) and n > 0 else None
 
 
 def steady_running(log: str, lines_needed: int = 3) -> int | None:
@@ -338,7 +377,6 @@ def run_one(run: Run, a, out: Path) -> dict:
                 res["profile"] = dict(prof)
             if prof and "error" not in prof:
                 try:
-                
                     (out / f"profile_{tag}.md").write_text(
                         profile_trace.markdown(prof, f"{run.key}, {prof['running']} running") + "\n")
                 except Exception as e:  # noqa: BLE001 - the benchmark's figures stand without the profile
@@ -352,7 +390,7 @@ def run_one(run: Run, a, out: Path) -> dict:
         res["step_ms"] = 1e3 * top / res["decode_tok_s"] if res["decode_tok_s"] else None
         ol = srv.residency_lines()
         res["oasis_line"] = ol[-1].split("OasisKV decode: ", 1)[-1] if ol else None
-        res.update(oasis_figures(ol, res["step_ms"]))
+        res.update(oasis_figures(ol, res["step_ms"], top, kv_heads_of(os.environ["M"])))
         return res
     except Exception as e:  # noqa: BLE001
         return {**base, "error": f"{e.__class__.__name__}: {str(e)[:500]}"}
@@ -400,8 +438,8 @@ def tables(results: list[dict], a) -> str:
           f"--mem-fraction-static {DENSE_80GB_MEM_FRACTION} (80 GB GPU) where marked 80gb; oasis host tier "
           f"{a.host_gib} GiB unless sized to the batch.", ""]
     head = ("| run | most running | decode tok/s | step ms | output tok/s | TPOT ms | TTFT s | H2D MB/step | H2D GB/s | "
-            "hit rate | vs dense |")
-    sep = "|---|---|---|---|---|---|---|---|---|---|---|"
+            "admitted / (req, layer, head) / step | hit rate | vs dense |")
+    sep = "|---|---|---|---|---|---|---|---|---|---|---|---|"
     for suite in ("throughput", "context", "fetch-cap", "short", "stall", "paired"):
         rows = suite_rows(results, suite)
         if not rows:
@@ -410,7 +448,7 @@ def tables(results: list[dict], a) -> str:
         for r in rows:
             if "error" in r:
                 err = " ".join(str(r["error"]).split())[:150].replace("|", "/")
-                md.append(f"| {r['key']} | failed: {err} |" + " |" * 9)
+                md.append(f"| {r['key']} | failed: {err} |" + " |" * 10)
                 continue
             dense = _dense_of(r, by)
             ratio = (r["decode_tok_s"] / dense["decode_tok_s"]
@@ -419,7 +457,8 @@ def tables(results: list[dict], a) -> str:
             md.append(f"| {key} | {'-' if r.get('max_running') is None else r['max_running']} | {_f(r.get('decode_tok_s'))} | "
                       f"{_f(r.get('step_ms'), 2)} | {_f(r.get('output_tok_s'))} | {_f(r.get('median_tpot_ms'), 2)} | "
                       f"{_f((r.get('median_ttft_ms') or 0) / 1e3 if r.get('median_ttft_ms') else None)} | "
-                      f"{_f(r.get('h2d_mb_per_step'))} | {_f(r.get('h2d_gb_s'), 2)} | {_f(r.get('hit_rate'), 3)} | "
+                      f"{_f(r.get('h2d_mb_per_step'))}{'' if r.get('h2d_basis', 'most running') == 'most running' else ' (all steps)'} | "
+                      f"{_f(r.get('h2d_gb_s'), 2)} | {_f(r.get('admitted_per_head_step'), 2)} | {_f(r.get('hit_rate'), 3)} | "
                       f"{'-' if ratio is None else f'{ratio:.2f}x'} |")
         md.append("")
     st = next((r for r in results if r["key"] == "stall/16384/oasis-no-transfer" and r.get("step_ms")), None)
@@ -529,7 +568,8 @@ def load_results(jpath: Path) -> tuple[list[dict], dict]:
 
 # result fields the tables and plots format as numbers (load_results checks them)
 NUMERIC_FIELDS = ("input_len", "output_len", "batch", "fetch_cap", "max_running", "decode_tok_s", "step_ms",
-                  "output_tok_s", "median_tpot_ms", "median_ttft_ms", "h2d_mb_per_step", "h2d_gb_s", "hit_rate")
+                  "output_tok_s", "median_tpot_ms", "median_ttft_ms", "h2d_mb_per_step", "h2d_gb_s", "hit_rate",
+                  "admitted_per_head_step")
 RUN_FIELDS = ("system", "input_len", "output_len", "batch", "pool", "fetch_cap", "host_requests")
 
 

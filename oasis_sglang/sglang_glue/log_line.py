@@ -70,14 +70,16 @@ def parse_residency(line: str) -> dict:
 
 # numeric fields of an ``OasisKV decode`` line: the counters are cumulative since start-up, so
 # figures per request or per step are differences of two lines
-_COUNTERS = {"hit_rate": r"hit rate: ([\d.]+)", "admitted_blocks": r"admitted blocks: (\d+)",
+_COUNTERS = {"running": r"OasisKV decode: #running-req: (\d+)", "sparse_layers": r"sparse layers: (\d+)",
+             "hit_rate": r"hit rate: ([\d.]+)", "admitted_blocks": r"admitted blocks: (\d+)",
              "evicted_blocks": r"evicted blocks: (\d+)", "h2d_mib": r"H2D: ([\d.]+) MiB",
              "host_tier_mib": r"host tier: ([\d.]+) MiB", "decode_steps": r"decode steps: (\d+)",
              "graph_steps": r"cuda graph steps: (\d+)"}
 
 
 def parse_decode_counters(line: str) -> dict[str, float | None]:
-    """The numbers of an ``OasisKV decode`` log line: ``hit_rate`` (0-1, since start-up),
+    """The numbers of an ``OasisKV decode`` log line: ``running`` (requests of the step the line
+    is about), ``sparse_layers``, ``hit_rate`` (0-1, since start-up),
     ``admitted_blocks`` / ``evicted_blocks`` (blocks, cumulative), ``h2d_mib`` (MiB copied host to
     device, cumulative), ``host_tier_mib`` (MiB), ``decode_steps`` / ``graph_steps`` (cumulative);
     None for a field the line lacks (an older format)."""

@@ -53,7 +53,42 @@ def test_oasis_figures_from_real_log_lines(bench):
     assert f["h2d_mb_per_step"] == pytest.approx(50000 * 4096 / 1e6 / 50, rel=1e-3)   # the line rounds MiB
     assert f["h2d_gb_s"] == pytest.approx(f["h2d_mb_per_step"] / 20.0)
     assert f["graph_steps"] == 60 and f["host_tier_gb"] == pytest.approx(2**30 / 1e9)
+    assert f["h2d_basis"] == "all steps" and "admitted_per_head_step" not in f, "no most-running count given"
     assert bench.oasis_figures([], 1.0) == {}
+
+
+def test_oasis_traffic_is_taken_at_the_most_running(bench):
+    """Issue 17: H2D per step and admitted pieces per (request, layer, KV head) come from the
+    counter deltas between lines about steps at the most running, not from an average over the
+    ramp-up and the tail (where fewer requests admit less)."""
+    def line(running, steps, admitted):
+        r = {"context_tokens": [100] * running, "device_working_set_tokens": [64] * running, "budget_tokens": 2048,
+             "sparse_layers": 34, "hit_blocks": 0, "admitted_blocks": admitted, "evicted_blocks": 0,
+             "bytes_h2d": admitted * 65536, "working_set_bytes": 0, "summary_bytes": 0, "host_tier_bytes": 2**30,
+             "predictor": "previous", "sync_steps": 0, "exposed_wait_ms": [0.0], "agreement": None,
+             "decode_steps": steps, "graph_steps": steps}
+        return "[t] OasisKV decode: " + format_residency(r)
+
+    per_step = 40 * 34 * 8 * 8                     # 40 requests x 34 layers x 8 KV heads x 8 pieces
+    lines = [line(1, 1, 100), line(20, 5, 5000),    # ramp-up: few requests, few admissions
+             line(40, 10, 10_000), line(40, 20, 10_000 + 10 * per_step), line(40, 30, 10_000 + 20 * per_step),
+             line(3, 200, 10_000 + 21 * per_step)]  # the tail
+    f = bench.oasis_figures(lines, step_ms=20.0, max_running=40, kv_heads=8)
+    assert f["h2d_basis"] == "most running" and f["h2d_steps"] == 20
+    assert f["admitted_per_head_step"] == pytest.approx(8.0)
+    assert f["h2d_mb_per_step"] == pytest.approx(per_step * 65536 / 1e6, rel=1e-3)
+    assert f["h2d_gb_s"] == pytest.approx(f["h2d_mb_per_step"] / 20.0)
+    whole = bench.oasis_figures(lines, step_ms=20.0)            # the old all-steps average reads far less
+    assert whole["h2d_basis"] == "all steps" and whole["h2d_mb_per_step"] < f["h2d_mb_per_step"] / 5
+
+
+def test_kv_heads_of_reads_the_model_config(bench, tmp_path):
+    (tmp_path / "config.json").write_text('{"num_key_value_heads": 8, "num_attention_heads": 32}')
+    assert bench.kv_heads_of(tmp_path) == 8
+    (tmp_path / "config.json").write_text('{"num_attention_heads": 12}')
+    assert bench.kv_heads_of(tmp_path) == 12
+    (tmp_path / "config.json").write_text('not json')
+    assert bench.kv_heads_of(tmp_path) is None and bench.kv_heads_of(tmp_path / "missing") is None
 
 
 def test_tables_compare_oasis_with_dense_of_the_same_run(bench):

@@ -65,7 +65,7 @@ def test_the_line_of_a_real_report_round_trips_through_both_parsers(seed):
     assert line.startswith("OasisKV decode: #running-req: 2, ")
     got = parse_decode_counters("[2025-01-01 00:00:00] " + line)
     hits, adm = r["hit_blocks"], r["admitted_blocks"]
-    assert got == {"hit_rate": round(hits / (hits + adm), 3), "admitted_blocks": adm,
+    assert got == {"running": 2, "sparse_layers": 2, "hit_rate": round(hits / (hits + adm), 3), "admitted_blocks": adm,
                    "evicted_blocks": r["evicted_blocks"], "h2d_mib": round(r["bytes_h2d"] / 2**20, 1),
                    "host_tier_mib": round(r["host_tier_bytes"] / 2**20, 1), "decode_steps": 12, "graph_steps": 0}
     res = parse_residency(line)
@@ -85,7 +85,7 @@ def test_decode_counters_parse_the_line_the_backend_writes():
          "working_set_bytes": 2**20, "summary_bytes": 2**20, "host_tier_bytes": 5 * 2**20, "predictor": "previous",
          "sync_steps": 0, "exposed_wait_ms": [0.0], "agreement": None, "decode_steps": 42, "graph_steps": 40}
     got = parse_decode_counters("[t] OasisKV decode: " + format_residency(r))
-    assert got == {"hit_rate": 0.75, "admitted_blocks": 100, "evicted_blocks": 7, "h2d_mib": 3.0,
+    assert got == {"running": 2, "sparse_layers": 28, "hit_rate": 0.75, "admitted_blocks": 100, "evicted_blocks": 7, "h2d_mib": 3.0,
                    "host_tier_mib": 5.0, "decode_steps": 42, "graph_steps": 40}
 
 
@@ -113,7 +113,9 @@ def test_optional_fields_of_the_line(seed):
 def test_parse_residency_refuses_a_line_that_is_not_one(line):
     with pytest.raises(ValueError, match="not an OasisKV decode line"):
         parse_residency(line)
-    assert all(v is None for v in parse_decode_counters(line).values())
+    got = parse_decode_counters(line)
+    assert got.pop("running") == (0 if line.startswith("OasisKV decode:") else None), "SGLang's own decode line is not ours"
+    assert all(v is None for v in got.values())
 
 
 def test_the_line_is_written_at_a_first_decode_step_and_every_interval(seed, caplog):
