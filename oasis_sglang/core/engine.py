@@ -115,6 +115,7 @@ class OasisSparseKV:
         self.last_step_timed = False       # the last decode step's exposed wait was timed (eager, CUDA)
         self.block_bytes = self.bs * (head_dim + v_head_dim) * torch.empty((), dtype=dtype).element_size()
         self._fwd_stream = None            # stream of the last forward (CUDA), see ``reset_rows``
+        self._no_tensor = torch.empty(0, dtype=torch.int64)   # the device fields of a replay step (none)
 
     @staticmethod
     def memory_plan(cfg: OasisConfig, num_layers: int, num_tokens: int, num_rows: int, head_num: int,
@@ -404,9 +405,9 @@ class OasisSparseKV:
         self.last_batch = (rows_l, seq_l)
         if self.predictor.asynchronous:
             self.record.mirror(rows_l, [x + 1 for x in seq_l])
-        self._step = None                         # the graph runs the layers; nothing here may
-        return DecodeStep(StepMode.REPLAY, torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64),
-                          torch.empty(0, 0, dtype=torch.int32), 0, 0, rows_l, seq_l)
+        self._step = None                         # the graph runs the layers: no eager layer may use this step
+        e = self._no_tensor
+        return DecodeStep(StepMode.REPLAY, e, e, e, 0, 0, rows_l, seq_l)
 
     def prepare_step_device(self) -> None:
         """The step's per-step device values: LRU clock + 1, ``seq - 1``, ``seq + 1`` (three
