@@ -35,7 +35,8 @@ if not torch.cuda.is_available():
 
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-from oasis_sglang.config import OasisConfig  # noqa: E402
+from oasis_sglang.argtypes import positive_int  # noqa: E402
+from oasis_sglang.config import OasisConfig, OasisConfigError  # noqa: E402
 from oasis_sglang.core import OasisSparseKV  # noqa: E402
 from oasis_sglang.kernels import get_kv_ops  # noqa: E402
 
@@ -111,21 +112,26 @@ def build(args, dev):
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--context", type=int, default=300, help="prompt tokens per request")
-    ap.add_argument("--budget", type=int, default=64, help="working-set tokens per (layer, KV head)")
-    ap.add_argument("--fetch-cap", type=int, default=8)
-    ap.add_argument("--layers", type=int, default=2, help="sparse layers (counts are reported per layer)")
-    ap.add_argument("--kv-heads", type=int, default=2)
-    ap.add_argument("--group", type=int, default=4, help="query heads per KV head")
-    ap.add_argument("--head-dim", type=int, default=16)
-    ap.add_argument("--steps", type=int, default=3, help="decode steps counted (the counts of each are the same)")
+    ap.add_argument("--batch", type=positive_int, default=4)
+    ap.add_argument("--context", type=positive_int, default=300, help="prompt tokens per request")
+    ap.add_argument("--budget", type=positive_int, default=64, help="working-set tokens per (layer, KV head)")
+    ap.add_argument("--fetch-cap", type=positive_int, default=8)
+    ap.add_argument("--layers", type=positive_int, default=2, help="sparse layers (counts are reported per layer)")
+    ap.add_argument("--kv-heads", type=positive_int, default=2)
+    ap.add_argument("--group", type=positive_int, default=4, help="query heads per KV head")
+    ap.add_argument("--head-dim", type=positive_int, default=16)
+    ap.add_argument("--steps", type=positive_int, default=3, help="decode steps counted (the counts of each are the same)")
     ap.add_argument("--kernels", choices=["triton", "torch"], default="triton")
     ap.add_argument("--eager", action="store_true", help="eager steps (host check each step) instead of graph mode")
     ap.add_argument("--out", default="out/count_launches")
     args = ap.parse_args()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    eng, rt, rows, dt = build(args, dev)
+    if args.head_dim < 16 and args.kernels == "triton":
+        ap.error(f"--head-dim {args.head_dim}: the Triton kernels need a head_dim of at least 16")
+    try:
+        eng, rt, rows, dt = build(args, dev)
+    except OasisConfigError as e:          # --budget / --fetch-cap against the block size
+        ap.error(str(e))
     B, L, H, D = args.batch, args.layers, args.kv_heads, args.head_dim
     seq = torch.full((B,), args.context, device=dev)
 

@@ -41,6 +41,14 @@ class BenchHooks:
     skip_prefetch: bool = False
     host_check_interval: int = 0
 
+    def __post_init__(self):
+        for name in ("assume_predicted", "skip_admission_copy", "skip_prefetch"):
+            if not isinstance(getattr(self, name), bool):
+                raise OasisConfigError(f"BenchHooks: {name} must be true or false, got {getattr(self, name)!r}")
+        k = self.host_check_interval
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise OasisConfigError(f"BenchHooks: host_check_interval must be an integer >= 0 (0: never), got {k!r}")
+
     @classmethod
     def from_env(cls) -> "BenchHooks":
         """``OASIS_ABLATE`` (unset, empty or ``no-transfer``) as hooks; logs a warning when set.

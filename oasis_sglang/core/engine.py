@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import operator
 from collections.abc import Sequence
 
 import torch
@@ -148,14 +149,21 @@ class OasisSparseKV:
         reallocation). ``fetch_cap="keep"`` leaves it as it is.
 
         Raises:
-            OasisConfigError: a bad ``fetch_cap`` (the config's validation); KeyError: an
-                unknown predictor.
+            OasisConfigError: a bad ``fetch_cap`` (the config's validation), an unknown predictor,
+                or ``current`` with ``measure_agreement`` (nothing changes then).
         """
-        if fetch_cap != "keep":
-            self.cfg = dataclasses.replace(self.cfg, fetch_cap=fetch_cap)
-            self.stages.cfg = self.cfg
+        pred = self.predictor
         if predictor is not None:
-            self.predictor = get_predictor(predictor)
+            if predictor not in ("current", "previous", "lookahead"):
+                raise OasisConfigError(f"set_policy: predictor {predictor!r}: want current, previous or lookahead "
+                                       "('auto' is resolved when the server starts)")
+            pred = get_predictor(predictor)
+            if self.cfg.measure_agreement and not pred.asynchronous:
+                raise OasisConfigError("set_policy: 'measure_agreement' needs a predictor that predicts a step "
+                                       "ahead (previous or lookahead), not current")
+        cfg = self.cfg if fetch_cap == "keep" else dataclasses.replace(self.cfg, fetch_cap=fetch_cap)
+        self.cfg = self.stages.cfg = cfg
+        self.predictor = pred
 
     def is_sparse(self, layer_id: int) -> bool:
         """True when ``layer_id`` (model layer index) is served by OasisKV."""
@@ -164,6 +172,8 @@ class OasisSparseKV:
     def _sparse_index(self, layer_id: int, what: str) -> int:
         """Index of sparse layer ``layer_id`` in the state. Raises ValueError for a dense or
         unknown layer (its KV cache is SGLang's, not OasisKV's)."""
+        if isinstance(layer_id, bool) or not isinstance(layer_id, int):
+            raise ValueError(f"{what}: layer_id {layer_id!r}: want an int (model layer index)")
         li = self.index.get(layer_id)
         if li is None:
             kind = "dense (config dense_layers)" if 0 <= layer_id < self.num_layers else \
@@ -325,31 +335,60 @@ class OasisSparseKV:
         Returns:
             The :class:`DecodeStep` the layers will read (also ``self.step``).
         Raises:
-            ValueError: an unknown mode; host lists of the wrong length, non-integers, rows below
-                0 or lengths below 1; ``max_seq_len`` below 1; ``replay`` without host lists
-                (checked before any state changes).
+            ValueError: an unknown mode; ``rows`` / ``seq_lens`` that are not 1-D integer tensors
+                of one length; a ``req_to_token`` that is not a 2-D integer table; host lists
+                that are not lists of integers of the batch's length, or only one of them; rows
+                outside the request table, lengths outside ``1 .. req_to_token's width``;
+                ``max_seq_len`` outside that range or below the longest host length; ``replay``
+                without host lists. All checked before any state changes. With host lists the
+                device tensors are taken to hold the same values (they are not read back);
+                without them (eager) the values are checked with one device read.
         """
-        mode = StepMode(mode)
+        what = "begin_decode_step"
+        try:
+            mode = StepMode(mode)
+        except ValueError:
+            raise ValueError(f"{what}: mode {mode!r}: want one of {[m.value for m in StepMode]}") from None
+        width = None if req_to_token is None else _check_table(req_to_token, what)
         if mode is StepMode.REPLAY:
-            return self._begin_replay(rows_host, seq_lens_host)
-        B = rows.shape[0]
+            return self._begin_replay(rows_host, seq_lens_host, width)
+        B = _check_batch(rows, seq_lens, what)
+        if width is None:
+            raise ValueError(f"{what}: req_to_token is required for an {mode.value} step")
         host = None
-        if mode is StepMode.EAGER and rows_host is not None and seq_lens_host is not None:
-            host = _host_lists(rows_host, seq_lens_host, "begin_decode_step")
+        if (rows_host is None) != (seq_lens_host is None):
+            raise ValueError(f"{what}: rows_host and seq_lens_host go together (one of them is None)")
+        if mode is StepMode.EAGER and rows_host is not None:
+            host = _host_lists(rows_host, seq_lens_host, what, self.ws.R, width)
             if len(host[0]) != B:
-                raise ValueError(f"begin_decode_step: rows_host / seq_lens_host have {len(host[0])} entries for a "
+                raise ValueError(f"{what}: rows_host / seq_lens_host have {len(host[0])} entries for a "
                                  f"batch of {B}")
+        if max_seq_len is not None:
+            max_seq_len = _int(max_seq_len, "max_seq_len", what)
+            if not 1 <= max_seq_len <= width:
+                raise ValueError(f"{what}: max_seq_len {max_seq_len}: want 1 .. {width} (req_to_token's width; "
+                                 "the new token included)")
+            if host is not None and host[1] and max_seq_len < max(host[1]):
+                raise ValueError(f"{what}: max_seq_len {max_seq_len} is below the longest context in "
+                                 f"seq_lens_host ({max(host[1])}): blocks past it would never be selected")
         rows_d = rows.to(self.device, torch.int64)
         seq = seq_lens.to(self.device, torch.int64)
         rtt = req_to_token if req_to_token.device == self.device else req_to_token.to(self.device)
         if mode is StepMode.CAPTURE:
-            max_seq = max_seq_len if max_seq_len is not None else rtt.shape[1]
+            max_seq = max_seq_len if max_seq_len is not None else width
         elif B == 0:
             max_seq = 1
+        elif host is not None:
+            max_seq = max_seq_len if max_seq_len is not None else max(host[1])
         else:
-            max_seq = max_seq_len if max_seq_len is not None else int(seq.max())
-        if max_seq < 1:
-            raise ValueError(f"begin_decode_step: max_seq_len {max_seq}: want >= 1 (the new token included)")
+            # no host values: check the device's (one read; the step would read the device anyway)
+            lo_r, hi_r, lo_s, hi_s = torch.stack([rows_d.min(), rows_d.max(), seq.min(), seq.max()]).tolist()
+            if lo_r < 0 or hi_r >= self.ws.R or lo_s < 1 or hi_s > width:
+                raise ValueError(f"{what}: rows in [{lo_r}, {hi_r}] / seq_lens in [{lo_s}, {hi_s}]: want rows in "
+                                 f"0 .. {self.ws.R - 1} and lengths in 1 .. {width} (req_to_token's width)")
+            if max_seq_len is not None and max_seq_len < hi_s:
+                raise ValueError(f"{what}: max_seq_len {max_seq_len} is below the longest context ({hi_s})")
+            max_seq = max_seq_len if max_seq_len is not None else hi_s
         step = DecodeStep(mode, rows_d, seq, rtt, -(-max_seq // self.bs), max_seq,
                           None if host is None else host[0], None if host is None else host[1],
                           sync=not self.predictor.asynchronous)
@@ -384,7 +423,7 @@ class OasisSparseKV:
         self.prepare_step_device()
         return step
 
-    def _begin_replay(self, rows_host, seq_lens_host) -> DecodeStep:
+    def _begin_replay(self, rows_host, seq_lens_host, width: int | None) -> DecodeStep:
         """``begin_decode_step(mode="replay")``: the host side of what the captured layers did
         when captured (step counters, the host record of predictions, the batch for reporting);
         the replay also waits for prefetches queued by eager work (a prefill predicts a
@@ -392,7 +431,7 @@ class OasisSparseKV:
         the replay then fails, the next report finds the mismatch and rebuilds it."""
         if rows_host is None or seq_lens_host is None:
             raise ValueError("begin_decode_step: a replay needs rows_host and seq_lens_host (the real rows)")
-        rows_l, seq_l = _host_lists(rows_host, seq_lens_host, "begin_decode_step (replay)")
+        rows_l, seq_l = _host_lists(rows_host, seq_lens_host, "begin_decode_step (replay)", self.ws.R, width)
         self._note_forward_stream()               # the replay runs on the caller's stream
         self.pipe.join()
         self.pipe.forget_waits()                  # exposed waits are timed on eager steps only
@@ -489,15 +528,22 @@ class OasisSparseKV:
         B = q.shape[0]
         if B != st.batch_size:
             raise ValueError(f"decode_attention: q has {B} rows but the step's batch has {st.batch_size}")
+        H, D, Dv = self.head_num, self.head_dim, self.v_head_dim
+        if not (q.dim() == 3 and q.shape[2] == D and q.shape[1] % H == 0 and q.shape[1] > 0):
+            raise ValueError(f"decode_attention: q has shape {tuple(q.shape)}: want [B, Hq, {D}] with Hq a multiple "
+                             f"of the {H} KV heads")
+        Hq = q.shape[1]
+        _check_rows(k_new, (B, H, D), "k_new")
+        _check_rows(v_new, (B, H, Dv), "v_new")
+        if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
+                                  or not math.isfinite(scale) or scale <= 0):
+            raise ValueError(f"decode_attention: scale {scale!r}: want a positive number or None (1/sqrt(D))")
         drafts = (q_draft, k_draft, v_draft)
         if any(x is not None for x in drafts):
             if any(x is None for x in drafts):
                 raise ValueError("decode_attention: q_draft, k_draft and v_draft go together")
-            want = ((B, q.shape[-2], q.shape[-1]) if q.dim() == 3 else tuple(q.shape),
-                    (B, self.head_num, self.head_dim), (B, self.head_num, self.v_head_dim))
-            for name, x, w in zip(("q_draft", "k_draft", "v_draft"), drafts, want):
-                if x.numel() != math.prod(w) or x.shape[0] != B:
-                    raise ValueError(f"decode_attention: {name} has shape {tuple(x.shape)}, expected {w}")
+            for name, x, w in zip(("q_draft", "k_draft", "v_draft"), drafts, ((B, Hq, D), (B, H, D), (B, H, Dv))):
+                _check_rows(x, w, name)
         if B == 0:
             return q.new_empty((0, q.shape[1], self.v_head_dim) if q_draft is None else (0, 2, q.shape[1], self.v_head_dim))
         if st.seq_m1 is None:
@@ -571,20 +617,62 @@ class OasisSparseKV:
         return residency(self)
 
 
-def _host_lists(rows_host: Sequence[int], seq_lens_host: Sequence[int], what: str) -> tuple[list[int], list[int]]:
-    """``(rows, seq_lens)`` as int lists of one length, rows >= 0 and lengths >= 1.
+def _int(x, name: str, what: str) -> int:
+    """``x`` as an int (anything with ``__index__`` but a bool). Raises ValueError naming ``name``."""
+    if isinstance(x, bool):
+        raise ValueError(f"{what}: {name} {x!r}: want an integer")
+    try:
+        return operator.index(x)
+    except TypeError:
+        raise ValueError(f"{what}: {name} {x!r}: want an integer") from None
+
+
+def _host_lists(rows_host, seq_lens_host, what: str, num_rows: int, width: int | None) -> tuple[list[int], list[int]]:
+    """``(rows, seq_lens)`` as int lists of one length: rows in ``0 .. num_rows - 1``, lengths in
+    ``1 .. width`` (``req_to_token``'s width, when known).
 
     Raises:
-        ValueError: non-integers, different lengths or out-of-range values, naming ``what``.
+        ValueError: not lists / tuples of integers, different lengths or out-of-range values,
+            naming ``what`` and the argument.
     """
-    try:
-        rows_l, seq_l = [int(r) for r in rows_host], [int(x) for x in seq_lens_host]
-    except (TypeError, ValueError):
-        raise ValueError(f"{what}: rows_host and seq_lens_host must be integers, got {rows_host!r}, "
-                         f"{seq_lens_host!r}") from None
+    for name, xs in (("rows_host", rows_host), ("seq_lens_host", seq_lens_host)):
+        if not isinstance(xs, (list, tuple)):
+            raise ValueError(f"{what}: {name} must be a list of integers, got {type(xs).__name__}")
+    rows_l = [_int(r, "rows_host entry", what) for r in rows_host]
+    seq_l = [_int(x, "seq_lens_host entry", what) for x in seq_lens_host]
     if len(rows_l) != len(seq_l):
         raise ValueError(f"{what}: {len(rows_l)} rows but {len(seq_l)} lengths")
-    if rows_l and (min(rows_l) < 0 or min(seq_l) < 1):
-        raise ValueError(f"{what}: rows_host {rows_l[:8]} / seq_lens_host {seq_l[:8]}: want rows >= 0 and context "
-                         f"lengths >= 1 (the new token included)")
+    hi = width if width is not None else float("inf")
+    if rows_l and (min(rows_l) < 0 or max(rows_l) >= num_rows or min(seq_l) < 1 or max(seq_l) > hi):
+        raise ValueError(f"{what}: rows_host {rows_l[:8]} / seq_lens_host {seq_l[:8]}: want rows in 0 .. {num_rows - 1} "
+                         f"and context lengths in 1 .. {width} (the new token included)")
     return rows_l, seq_l
+
+
+def _check_table(req_to_token, what: str) -> int:
+    """``req_to_token``'s width (tokens a row can hold). Raises ValueError unless a 2-D integer tensor."""
+    if not (isinstance(req_to_token, torch.Tensor) and req_to_token.dim() == 2
+            and not req_to_token.dtype.is_floating_point and req_to_token.dtype != torch.bool):
+        shape = tuple(req_to_token.shape) if isinstance(req_to_token, torch.Tensor) else type(req_to_token).__name__
+        raise ValueError(f"{what}: req_to_token {shape}: want SGLang's [rows, max_len] integer table")
+    return req_to_token.shape[1]
+
+
+def _check_batch(rows, seq_lens, what: str) -> int:
+    """The batch size of ``rows [B]`` and ``seq_lens [B]`` (1-D integer tensors of one length)."""
+    for name, x in (("rows", rows), ("seq_lens", seq_lens)):
+        if not (isinstance(x, torch.Tensor) and x.dim() == 1 and not x.dtype.is_floating_point
+                and x.dtype != torch.bool and not x.dtype.is_complex):
+            shape = (tuple(x.shape), str(x.dtype)) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"{what}: {name} {shape}: want a 1-D integer tensor [B]")
+    if rows.shape[0] != seq_lens.shape[0]:
+        raise ValueError(f"{what}: rows has {rows.shape[0]} entries but seq_lens {seq_lens.shape[0]}")
+    return rows.shape[0]
+
+
+def _check_rows(x, want: tuple[int, int, int], name: str) -> None:
+    """``x`` is ``[B, H, D]`` (or ``[B, H*D]``) of ``want``. Raises ValueError naming ``name``."""
+    B, H, D = want
+    if not (isinstance(x, torch.Tensor) and (tuple(x.shape) == want or tuple(x.shape) == (B, H * D))):
+        shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"decode_attention: {name} has shape {shape}, expected {want}")

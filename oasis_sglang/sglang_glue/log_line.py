@@ -50,8 +50,8 @@ def _min(xs):
     return min(xs) if xs else float("nan")
 
 
-_RES = re.compile(r"context tokens \(host tier\): \[([^\]]*)\], device working set tokens per layer and KV head: "
-                  r"\[([^\]]*)\] \(budget (\d+)\)")
+_RES = re.compile(r"context tokens \(host tier\): \[([\d, ]*)\], device working set tokens per layer and KV head: "
+                  r"\[([\d, ]*)\] \(budget (\d+)\)")
 
 
 def parse_residency(line: str) -> dict:
@@ -61,7 +61,7 @@ def parse_residency(line: str) -> dict:
     Raises:
         ValueError: the line is not an ``OasisKV decode`` line.
     """
-    m = _RES.search(line)
+    m = _RES.search(line) if isinstance(line, str) else None
     if not m:
         raise ValueError(f"not an OasisKV decode line: {line!r}")
     ints = lambda s: [int(x) for x in s.split(",") if x.strip()]  # noqa: E731
@@ -71,9 +71,9 @@ def parse_residency(line: str) -> dict:
 # numeric fields of an ``OasisKV decode`` line: the counters are cumulative since start-up, so
 # figures per request or per step are differences of two lines
 _COUNTERS = {"running": r"OasisKV decode: #running-req: (\d+)", "sparse_layers": r"sparse layers: (\d+)",
-             "hit_rate": r"hit rate: ([\d.]+)", "admitted_blocks": r"admitted blocks: (\d+)",
-             "evicted_blocks": r"evicted blocks: (\d+)", "h2d_mib": r"H2D: ([\d.]+) MiB",
-             "host_tier_mib": r"host tier: ([\d.]+) MiB", "decode_steps": r"decode steps: (\d+)",
+             "hit_rate": r"hit rate: (\d+(?:\.\d+)?)(?![\d.])", "admitted_blocks": r"admitted blocks: (\d+)",
+             "evicted_blocks": r"evicted blocks: (\d+)", "h2d_mib": r"H2D: (\d+(?:\.\d+)?) MiB",
+             "host_tier_mib": r"host tier: (\d+(?:\.\d+)?) MiB", "decode_steps": r"decode steps: (\d+)",
              "graph_steps": r"cuda graph steps: (\d+)"}
 
 
@@ -83,6 +83,8 @@ def parse_decode_counters(line: str) -> dict[str, float | None]:
     ``admitted_blocks`` / ``evicted_blocks`` (blocks, cumulative), ``h2d_mib`` (MiB copied host to
     device, cumulative), ``host_tier_mib`` (MiB), ``decode_steps`` / ``graph_steps`` (cumulative);
     None for a field the line lacks (an older format)."""
+    if not isinstance(line, str):
+        raise TypeError(f"parse_decode_counters: want a str log line, got {type(line).__name__}")
     out = {}
     for k, pat in _COUNTERS.items():
         m = re.search(pat, line)

@@ -35,7 +35,12 @@ def oasis_config(server_args) -> OasisConfig | None:
     """
     if getattr(server_args, "kv_sparse", "none") != "oasis":
         return None
-    return _parse_config(server_args.kv_sparse_config)
+    text = server_args.kv_sparse_config
+    if isinstance(text, dict):             # the Python API may pass the config as a dict
+        import json
+
+        text = json.dumps(text)
+    return _parse_config(text)
 
 
 @functools.lru_cache(maxsize=8)

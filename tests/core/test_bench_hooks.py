@@ -45,3 +45,12 @@ def test_an_unknown_ablation_is_refused_naming_the_variable_and_choices(monkeypa
         BenchHooks.from_env()
     assert repr(bad) in str(e.value)
     assert isinstance(e.value, ValueError), "OasisConfigError is a ValueError (launch exits with the message)"
+
+
+@pytest.mark.parametrize("bad", [dict(host_check_interval="x"), dict(host_check_interval=-3),
+                                 dict(host_check_interval=True), dict(skip_prefetch=1), dict(assume_predicted="yes")])
+def test_bad_switches_are_refused_naming_the_field(bad):
+    """A switch of the wrong type would surface only at the next decode step, after its
+    counters moved (breaker review): refused when the hooks are made."""
+    with pytest.raises(OasisConfigError, match=next(iter(bad))):
+        BenchHooks(**bad)

@@ -88,7 +88,7 @@ def test_engine_refuses_bad_calls_naming_the_argument(seed):
     for bad in ({"max_seq_len": 0}, {"rows_host": [1], "seq_lens_host": [0]}, {"rows_host": [-1], "seq_lens_host": [5]}):
         with pytest.raises(ValueError, match="want"):
             eng.begin_decode_step(torch.tensor([1]), torch.tensor([5]), rt, **bad)
-    with pytest.raises(ValueError, match="unknown|not a valid"):
+    with pytest.raises(ValueError, match="mode .graph.: want one of"):
         eng.begin_decode_step(torch.tensor([1]), torch.tensor([5]), rt, mode="graph")
     with pytest.raises(RuntimeError, match="without begin_decode_step"):
         eng.decode_attention(1, q[:1], k[:1], k[:1], None)
@@ -156,3 +156,74 @@ def test_memory_plan_matches_allocation(seed):
     plan = OasisSparseKV.memory_plan(cfg, 3, 512, 4, 2, 8, 8, 4)
     eng = OasisSparseKV(cfg, 3, 512, 4, 2, 8, 8, torch.float32, "cpu")
     assert plan == {"working_set": eng.ws.nbytes, "summaries": eng.summaries.nbytes, "host_tier": eng.host.nbytes}
+
+
+def _state(eng):
+    """Everything a refused call must leave as it was."""
+    return (eng.stats.decode_steps, eng.stats.sync_steps, int(eng.clock), dict(eng.record.host or {}),
+            eng.record.seq.clone(), eng.ws.ids.clone(), eng.ws.k[0].clone(), eng.counters.clone(), eng.step,
+            eng.last_batch, eng.cfg, eng.predictor.name)
+
+
+def _same(a, b):
+    return all(torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("predictor", ["current", "previous"])
+def test_bad_steps_are_refused_before_any_state_change(seed, predictor):
+    """Breaker review of issue 16: rows, lengths, host lists, modes and per-layer tensors that do
+    not describe a valid batch of this engine are refused with a ValueError naming the argument,
+    before any counter, record, working set or the LRU clock changes; the engine then serves a
+    request exactly as a fresh one."""
+    eng = _engine(budget=16, predictor=predictor, H=2, D=8)          # 4 request rows, 2 KV heads
+    rt = torch.zeros(4, 64, dtype=torch.int32)                        # rows hold at most 64 tokens
+    torch.manual_seed(1)
+    _run_request(eng, 1, 2, 30, 2, 6, rt, _paged_locs(32))            # a live request in row 2
+    before = _state(eng)
+    r, s = torch.tensor([2, 3]), torch.tensor([33, 5])
+    bad_begins = [
+        (dict(rows=torch.tensor([2, -1]), seq_lens=s), "rows in"),                    # wraps to another row
+        (dict(rows=torch.tensor([2, 7]), seq_lens=s), "rows in"),                     # beyond the request table
+        (dict(rows=r, seq_lens=torch.tensor([33, 0])), "lengths in"),
+        (dict(rows=r, seq_lens=torch.tensor([33, 65])), "lengths in"),                # beyond req_to_token
+        (dict(rows=torch.tensor([2.0, 3.0]), seq_lens=s), "rows"),
+        (dict(rows=r[None], seq_lens=s[None]), "rows"),
+        (dict(rows=r, seq_lens=torch.tensor([33, 5, 5])), "seq_lens 3"),
+        (dict(rows=r, seq_lens=s, max_seq_len=31.5), "max_seq_len"),
+        (dict(rows=r, seq_lens=s, max_seq_len=65), "max_seq_len"),
+        (dict(rows=r, seq_lens=s, rows_host=[2, 3]), "go together"),
+        (dict(rows=r, seq_lens=s, rows_host=[2, 9], seq_lens_host=[33, 5]), "rows in"),
+        (dict(rows=r, seq_lens=s, rows_host="23", seq_lens_host=[33, 5]), "rows_host must be a list"),
+        (dict(rows=r, seq_lens=s, rows_host=[2, 3.5], seq_lens_host=[33, 5]), "rows_host entry"),
+        (dict(rows=r, seq_lens=s, rows_host=[2, True], seq_lens_host=[33, 5]), "rows_host entry"),
+        (dict(rows=r, seq_lens=s, rows_host=[2, 3], seq_lens_host=[33, 5], max_seq_len=6), "below the longest"),
+        (dict(rows=r, seq_lens=s, mode="Eager"), "mode 'Eager'"),
+        (dict(rows=r, seq_lens=s, mode="replay", rows_host=[2, 99], seq_lens_host=[33, 5]), "rows in"),
+    ]
+    for kw, msg in bad_begins:
+        with pytest.raises(ValueError, match=msg):
+            eng.begin_decode_step(kw.pop("rows"), kw.pop("seq_lens"), rt, **kw)
+        assert _same(_state(eng), before), kw
+    with pytest.raises(ValueError, match="req_to_token"):
+        eng.begin_decode_step(r, s, rt[0])
+    from oasis_sglang.config import OasisConfigError
+
+    with pytest.raises(OasisConfigError, match="predictor 'bogus'"):
+        eng.set_policy(fetch_cap=3, predictor="bogus")
+    assert _same(_state(eng), before), "set_policy changed the fetch cap before refusing the predictor"
+    # per-layer tensors, checked before the synchronous selection or the append
+    eng.begin_decode_step(torch.tensor([2]), torch.tensor([33]), rt)
+    started = _state(eng)
+    q, k = torch.randn(1, 6, 8), torch.randn(1, 2, 8)
+    for args, kw, msg in [((1, torch.randn(1, 5, 8), k, k, None), {}, "q has shape"),
+                          ((1, torch.randn(1, 6, 4), k, k, None), {}, "q has shape"),
+                          ((1, q, torch.randn(1, 3, 8), k, None), {}, "k_new"),
+                          ((1, q, k, torch.randn(2, 2, 8), None), {}, "v_new"),
+                          ((1, q, k, k, "x"), {}, "scale"),
+                          ((1.0, q, k, k, None), {}, "layer_id"),
+                          ((True, q, k, k, None), {}, "layer_id"),
+                          ((1, q, k, k, None), dict(q_draft=torch.randn(1, 3, 16), k_draft=k, v_draft=k), "q_draft"),
+                          ((1, q, k, k, None), dict(q_draft=q, k_draft=torch.randn(1, 8, 2), v_draft=k), "k_draft")]:
+        with pytest.raises(ValueError, match=msg):
+            eng.decode_attention(*args, **kw)
+        assert _same(_state(eng), started), (msg, kw)

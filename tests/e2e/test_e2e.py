@@ -186,6 +186,12 @@ def test_overlong_prompt_gets_400_and_server_keeps_serving(oasis_512, tok):
     r = requests.post(oasis_512.url + "/generate", json={
         "input_ids": [100] * 9000, "sampling_params": {"max_new_tokens": 4}}, timeout=300)
     assert r.status_code == 400, r.text
+    # out-of-vocabulary and negative ids killed SGLang 0.5.17's scheduler (sglang_glue/fixes/input_ids.py)
+    for ids in ([1, 2, 99999999], [-3, 5]):
+        r = requests.post(oasis_512.url + "/generate", json={"input_ids": ids, "sampling_params": {"max_new_tokens": 4}},
+                          timeout=300)
+        assert r.status_code == 400 and "outside the vocabulary" in r.text, r.text
+    assert requests.get(oasis_512.url + "/health", timeout=60).status_code == 200
     assert "4729" in chat(oasis_512.url, needle.build(tok, 2048, 0.5).messages)
 
 

@@ -176,3 +176,16 @@ def test_no_line_is_due_before_the_first_decode_step(seed, caplog):
     caplog.set_level(logging.INFO, logger=LOGGER)
     log.maybe_log()
     assert not [r for r in caplog.records if r.name == LOGGER], caplog.text
+
+
+def test_garbled_numbers_are_not_read_as_figures():
+    """A malformed number is missing (None), never a wrong figure or a crash; non-text is a TypeError."""
+    assert parse_decode_counters("OasisKV decode: #running-req: 2, hit rate: 1.2.3, admitted blocks: 5")["hit_rate"] is None
+    assert parse_decode_counters("OasisKV decode: hit rate: ., H2D: 1.2.3 MiB")["h2d_mib"] is None
+    with pytest.raises(ValueError, match="not an OasisKV decode line"):
+        parse_residency("context tokens (host tier): [1, x], device working set tokens per layer and KV head: "
+                        "[1] (budget 4)")
+    with pytest.raises(TypeError, match="str"):
+        parse_decode_counters(b"OasisKV decode: hit rate: 0.5")
+    with pytest.raises(ValueError, match="not an OasisKV decode line"):
+        parse_residency(None)

@@ -1,6 +1,7 @@
 """sglang_glue/server_args.py ``oasis_config``: the one reader of the stored ``--kv-sparse-config``
 (real ServerArgs; the flag handling at start-up is in test_server_args)."""
 
+import json
 import os
 import pickle
 
@@ -68,3 +69,15 @@ def test_a_bad_stored_config_is_refused_naming_the_key(oasis_args, text, key):
         with pytest.raises(OasisConfigError, match=key):
             oasis_config(bad)
     assert oasis_config(oasis_args).budget_tokens == 16, "the good text still reads"
+
+
+def test_a_config_given_as_a_dict_reads_like_its_json(oasis_args):
+    """The Python API may hand ``kv_sparse_config`` over as a dict (breaker review: it was an
+    unhashable-type error from the cache)."""
+    from types import SimpleNamespace
+
+    cfg = oasis_config(oasis_args)
+    as_dict = SimpleNamespace(kv_sparse="oasis", kv_sparse_config=json.loads(cfg.to_json()))
+    assert oasis_config(as_dict) == cfg
+    with pytest.raises(OasisConfigError, match="budget_tokens"):
+        oasis_config(SimpleNamespace(kv_sparse="oasis", kv_sparse_config={"budget_tokens": 6, "block_size": 4}))

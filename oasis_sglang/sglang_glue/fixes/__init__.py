@@ -4,4 +4,5 @@
                        verify lengths (``intel_amx_backend.py:216`` / ``:262``), the backend's
                        platform fallback, the n-gram corpus build include
   cpu_paged_allocator  ``--page-size > 1`` on CPU: SGLang's paged allocator is Triton-only
+  input_ids            out-of-vocabulary ``input_ids`` get a 400 instead of killing the scheduler
 """

@@ -1,0 +1,30 @@
+"""sglang_glue/fixes/input_ids.py: out-of-vocabulary input_ids are refused before they reach the
+scheduler (the server-level check is in tests/e2e/test_e2e.py). The hook's ``self`` is SGLang's
+TokenizerManager, of which it reads only ``model_config.vocab_size``: a stand-in gives it."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from oasis_sglang.sglang_glue import hooks
+from oasis_sglang.sglang_glue.fixes.input_ids import validate_input_ids_hook
+
+TM = SimpleNamespace(model_config=SimpleNamespace(vocab_size=100))
+
+
+@pytest.mark.parametrize("ids", [[1, 2, 99], [], None])
+def test_ids_in_the_vocabulary_pass(ids):
+    assert validate_input_ids_hook(TM, object(), ids) is None
+
+
+@pytest.mark.parametrize("ids,bad", [([1, 100], "100"), ([-1, 5], "-1"), ([3, 99999999], "99999999"),
+                                     ([1, 2.0], "2.0"), ([True], "True")])
+def test_ids_outside_the_vocabulary_are_refused_naming_them(ids, bad):
+    with pytest.raises(ValueError, match=rf"input_ids contains {bad}, outside the vocabulary.*\[0, 100\)"):
+        validate_input_ids_hook(TM, object(), ids)
+
+
+def test_the_hook_is_listed_and_resolves():
+    h = [h for h in hooks.HOOKS if h.impl.endswith("validate_input_ids_hook")]
+    assert len(h) == 1 and h[0].kind == "BEFORE"
+    assert not [b for b in hooks.unresolved_targets() if "validate_one_request" in b or "input_ids" in b]
