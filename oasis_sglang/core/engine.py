@@ -30,7 +30,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import operator
 from collections.abc import Sequence
 
 import torch
@@ -38,6 +37,7 @@ import torch
 from ..config import OasisConfig, OasisConfigError
 from . import attention as attn
 from .bench_hooks import BenchHooks
+from .checks import as_int, check_batch, check_rows, check_table, host_lists
 from .host_tier import HostTier
 from .ops import BaseKVOps, TorchKVOps
 from .prediction import PredictionRecord
@@ -268,47 +268,13 @@ class OasisSparseKV:
 
     def read_prefix(self, layer_id_index: int, req_to_token_row: torch.Tensor, n: int,
                     device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
-        """Positions ``0 .. n-1`` of one request from the host tier, on ``device``.
+        """Positions ``0 .. n-1`` of one request from the host tier, on ``device``
+        (``HostTier.read_prefix`` with this engine's ``ops.copy_blocks``).
 
-        Args:
-            layer_id_index: sparse-layer index (``self.index[layer_id]``).
-            req_to_token_row: the request's row of SGLang's ``req_to_token`` (position -> slot).
-            n: tokens to read.
         Returns:
             ``(k [n, H, D], v [n, H, Dv])`` in the host tier's dtype.
-
-        Whole blocks go through ``ops.copy_blocks`` (on CUDA the H2D gather kernel, 4 KiB pieces
-        straight from pinned memory; a 16K-token prefix of a Qwen3-8B layer is 32 MB, under a
-        millisecond); a tail that is not a whole block is gathered token by token on the host.
-        (SGLang's prefixes are page-aligned and ``--page-size`` is the block size, so the tail
-        is empty for a chunked prefill or a radix-cache hit.) This replaces a token-by-token
-        gather on the host CPU.
         """
-        li, bs, H, D, Dv = layer_id_index, self.bs, self.head_num, self.head_dim, self.v_head_dim
-        nb = n // bs
-        dev = torch.device(device)
-        parts_k, parts_v = [], []
-        if nb:
-            rt = req_to_token_row.to(dev)
-            pages = torch.div(rt[:nb * bs:bs].to(torch.int64), bs, rounding_mode="floor")           # [nb]
-            P = self.host.num_pages
-            src = (torch.arange(H, device=dev)[:, None] * P + pages[None, :]).reshape(-1)        # [H * nb]
-            dst = torch.arange(H * nb, device=dev)
-            kb = torch.empty((H * nb, bs * D), dtype=self.host.dtype, device=dev)
-            vb = torch.empty((H * nb, bs * Dv), dtype=self.host.dtype, device=dev)
-            self.ops.copy_blocks(kb, vb, dst, self.host.k[li].view(-1, bs * D), self.host.v[li].view(-1, bs * Dv), src)
-            parts_k.append(kb.view(H, nb * bs, D).transpose(0, 1))
-            parts_v.append(vb.view(H, nb * bs, Dv).transpose(0, 1))
-        if n > nb * bs:
-            kt, vt = self.host.read_tokens(li, req_to_token_row[nb * bs:n])
-            parts_k.append(kt.to(dev))
-            parts_v.append(vt.to(dev))
-        if len(parts_k) == 1:
-            return parts_k[0].contiguous(), parts_v[0].contiguous()
-        if not parts_k:
-            return (torch.empty((0, H, D), dtype=self.host.dtype, device=dev),
-                    torch.empty((0, H, Dv), dtype=self.host.dtype, device=dev))
-        return torch.cat(parts_k), torch.cat(parts_v)
+        return self.host.read_prefix(layer_id_index, req_to_token_row, n, device, self.ops.copy_blocks)
 
     # ---- decode ---------------------------------------------------------------------------
     def begin_decode_step(self, rows: torch.Tensor, seq_lens: torch.Tensor, req_to_token: torch.Tensor, *,
@@ -349,22 +315,22 @@ class OasisSparseKV:
             mode = StepMode(mode)
         except ValueError:
             raise ValueError(f"{what}: mode {mode!r}: want one of {[m.value for m in StepMode]}") from None
-        width = None if req_to_token is None else _check_table(req_to_token, what)
+        width = None if req_to_token is None else check_table(req_to_token, what)
         if mode is StepMode.REPLAY:
             return self._begin_replay(rows_host, seq_lens_host, width)
-        B = _check_batch(rows, seq_lens, what)
+        B = check_batch(rows, seq_lens, what)
         if width is None:
             raise ValueError(f"{what}: req_to_token is required for an {mode.value} step")
         host = None
         if (rows_host is None) != (seq_lens_host is None):
             raise ValueError(f"{what}: rows_host and seq_lens_host go together (one of them is None)")
         if mode is StepMode.EAGER and rows_host is not None:
-            host = _host_lists(rows_host, seq_lens_host, what, self.ws.R, width)
+            host = host_lists(rows_host, seq_lens_host, what, self.ws.R, width)
             if len(host[0]) != B:
                 raise ValueError(f"{what}: rows_host / seq_lens_host have {len(host[0])} entries for a "
                                  f"batch of {B}")
         if max_seq_len is not None:
-            max_seq_len = _int(max_seq_len, "max_seq_len", what)
+            max_seq_len = as_int(max_seq_len, "max_seq_len", what)
             if not 1 <= max_seq_len <= width:
                 raise ValueError(f"{what}: max_seq_len {max_seq_len}: want 1 .. {width} (req_to_token's width; "
                                  "the new token included)")
@@ -431,7 +397,7 @@ class OasisSparseKV:
         the replay then fails, the next report finds the mismatch and rebuilds it."""
         if rows_host is None or seq_lens_host is None:
             raise ValueError("begin_decode_step: a replay needs rows_host and seq_lens_host (the real rows)")
-        rows_l, seq_l = _host_lists(rows_host, seq_lens_host, "begin_decode_step (replay)", self.ws.R, width)
+        rows_l, seq_l = host_lists(rows_host, seq_lens_host, "begin_decode_step (replay)", self.ws.R, width)
         self._note_forward_stream()               # the replay runs on the caller's stream
         self.pipe.join()
         self.pipe.forget_waits()                  # exposed waits are timed on eager steps only
@@ -533,8 +499,8 @@ class OasisSparseKV:
             raise ValueError(f"decode_attention: q has shape {tuple(q.shape)}: want [B, Hq, {D}] with Hq a multiple "
                              f"of the {H} KV heads")
         Hq = q.shape[1]
-        _check_rows(k_new, (B, H, D), "k_new")
-        _check_rows(v_new, (B, H, Dv), "v_new")
+        check_rows(k_new, (B, H, D), "k_new")
+        check_rows(v_new, (B, H, Dv), "v_new")
         if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
                                   or not math.isfinite(scale) or scale <= 0):
             raise ValueError(f"decode_attention: scale {scale!r}: want a positive number or None (1/sqrt(D))")
@@ -543,7 +509,7 @@ class OasisSparseKV:
             if any(x is None for x in drafts):
                 raise ValueError("decode_attention: q_draft, k_draft and v_draft go together")
             for name, x, w in zip(("q_draft", "k_draft", "v_draft"), drafts, ((B, Hq, D), (B, H, D), (B, H, Dv))):
-                _check_rows(x, w, name)
+                check_rows(x, w, name)
         if B == 0:
             return q.new_empty((0, q.shape[1], self.v_head_dim) if q_draft is None else (0, 2, q.shape[1], self.v_head_dim))
         if st.seq_m1 is None:
@@ -615,64 +581,3 @@ class OasisSparseKV:
             RuntimeError: a decoded token found its block not resident (``WorkingSet.check``).
         """
         return residency(self)
-
-
-def _int(x, name: str, what: str) -> int:
-    """``x`` as an int (anything with ``__index__`` but a bool). Raises ValueError naming ``name``."""
-    if isinstance(x, bool):
-        raise ValueError(f"{what}: {name} {x!r}: want an integer")
-    try:
-        return operator.index(x)
-    except TypeError:
-        raise ValueError(f"{what}: {name} {x!r}: want an integer") from None
-
-
-def _host_lists(rows_host, seq_lens_host, what: str, num_rows: int, width: int | None) -> tuple[list[int], list[int]]:
-    """``(rows, seq_lens)`` as int lists of one length: rows in ``0 .. num_rows - 1``, lengths in
-    ``1 .. width`` (``req_to_token``'s width, when known).
-
-    Raises:
-        ValueError: not lists / tuples of integers, different lengths or out-of-range values,
-            naming ``what`` and the argument.
-    """
-    for name, xs in (("rows_host", rows_host), ("seq_lens_host", seq_lens_host)):
-        if not isinstance(xs, (list, tuple)):
-            raise ValueError(f"{what}: {name} must be a list of integers, got {type(xs).__name__}")
-    rows_l = [_int(r, "rows_host entry", what) for r in rows_host]
-    seq_l = [_int(x, "seq_lens_host entry", what) for x in seq_lens_host]
-    if len(rows_l) != len(seq_l):
-        raise ValueError(f"{what}: {len(rows_l)} rows but {len(seq_l)} lengths")
-    hi = width if width is not None else float("inf")
-    if rows_l and (min(rows_l) < 0 or max(rows_l) >= num_rows or min(seq_l) < 1 or max(seq_l) > hi):
-        raise ValueError(f"{what}: rows_host {rows_l[:8]} / seq_lens_host {seq_l[:8]}: want rows in 0 .. {num_rows - 1} "
-                         f"and context lengths in 1 .. {width} (the new token included)")
-    return rows_l, seq_l
-
-
-def _check_table(req_to_token, what: str) -> int:
-    """``req_to_token``'s width (tokens a row can hold). Raises ValueError unless a 2-D integer tensor."""
-    if not (isinstance(req_to_token, torch.Tensor) and req_to_token.dim() == 2
-            and not req_to_token.dtype.is_floating_point and req_to_token.dtype != torch.bool):
-        shape = tuple(req_to_token.shape) if isinstance(req_to_token, torch.Tensor) else type(req_to_token).__name__
-        raise ValueError(f"{what}: req_to_token {shape}: want SGLang's [rows, max_len] integer table")
-    return req_to_token.shape[1]
-
-
-def _check_batch(rows, seq_lens, what: str) -> int:
-    """The batch size of ``rows [B]`` and ``seq_lens [B]`` (1-D integer tensors of one length)."""
-    for name, x in (("rows", rows), ("seq_lens", seq_lens)):
-        if not (isinstance(x, torch.Tensor) and x.dim() == 1 and not x.dtype.is_floating_point
-                and x.dtype != torch.bool and not x.dtype.is_complex):
-            shape = (tuple(x.shape), str(x.dtype)) if isinstance(x, torch.Tensor) else type(x).__name__
-            raise ValueError(f"{what}: {name} {shape}: want a 1-D integer tensor [B]")
-    if rows.shape[0] != seq_lens.shape[0]:
-        raise ValueError(f"{what}: rows has {rows.shape[0]} entries but seq_lens {seq_lens.shape[0]}")
-    return rows.shape[0]
-
-
-def _check_rows(x, want: tuple[int, int, int], name: str) -> None:
-    """``x`` is ``[B, H, D]`` (or ``[B, H*D]``) of ``want``. Raises ValueError naming ``name``."""
-    B, H, D = want
-    if not (isinstance(x, torch.Tensor) and (tuple(x.shape) == want or tuple(x.shape) == (B, H * D))):
-        shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-        raise ValueError(f"decode_attention: {name} has shape {shape}, expected {want}")

@@ -109,3 +109,48 @@ class HostTier:
         page, off = loc // self.block_size, loc % self.block_size
         return (self.k[layer][:, page, off].transpose(0, 1).contiguous(),
                 self.v[layer][:, page, off].transpose(0, 1).contiguous())
+
+    def read_prefix(self, layer: int, req_to_token_row: torch.Tensor, n: int, device: torch.device | str,
+                    copy_blocks) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions ``0 .. n-1`` of one request from the host tier, on ``device``.
+
+        Args:
+            layer: sparse-layer index of this tier.
+            req_to_token_row: the request's row of SGLang's ``req_to_token`` (position -> slot).
+            n: tokens to read.
+            copy_blocks: the engine's ``ops.copy_blocks`` (``core/ops.py``; the H2D gather kernel on CUDA).
+        Returns:
+            ``(k [n, H, D], v [n, H, Dv])`` in the host tier's dtype.
+
+        Whole blocks go through ``copy_blocks`` (on CUDA the H2D gather kernel, 4 KiB pieces
+        straight from pinned memory; a 16K-token prefix of a Qwen3-8B layer is 32 MB, under a
+        millisecond); a tail that is not a whole block is gathered token by token on the host.
+        (SGLang's prefixes are page-aligned and ``--page-size`` is the block size, so the tail
+        is empty for a chunked prefill or a radix-cache hit.) This replaces a token-by-token
+        gather on the host CPU.
+        """
+        li, bs, H, D, Dv = layer, self.block_size, self.head_num, self.head_dim, self.v_head_dim
+        nb = n // bs
+        dev = torch.device(device)
+        parts_k, parts_v = [], []
+        if nb:
+            rt = req_to_token_row.to(dev)
+            pages = torch.div(rt[:nb * bs:bs].to(torch.int64), bs, rounding_mode="floor")           # [nb]
+            P = self.num_pages
+            src = (torch.arange(H, device=dev)[:, None] * P + pages[None, :]).reshape(-1)        # [H * nb]
+            dst = torch.arange(H * nb, device=dev)
+            kb = torch.empty((H * nb, bs * D), dtype=self.dtype, device=dev)
+            vb = torch.empty((H * nb, bs * Dv), dtype=self.dtype, device=dev)
+            copy_blocks(kb, vb, dst, self.k[li].view(-1, bs * D), self.v[li].view(-1, bs * Dv), src)
+            parts_k.append(kb.view(H, nb * bs, D).transpose(0, 1))
+            parts_v.append(vb.view(H, nb * bs, Dv).transpose(0, 1))
+        if n > nb * bs:
+            kt, vt = self.read_tokens(li, req_to_token_row[nb * bs:n])
+            parts_k.append(kt.to(dev))
+            parts_v.append(vt.to(dev))
+        if len(parts_k) == 1:
+            return parts_k[0].contiguous(), parts_v[0].contiguous()
+        if not parts_k:
+            return (torch.empty((0, H, D), dtype=self.dtype, device=dev),
+                    torch.empty((0, H, Dv), dtype=self.dtype, device=dev))
+        return torch.cat(parts_k), torch.cat(parts_v)

@@ -2,7 +2,6 @@
 (real ServerArgs, KV pools, request table and SGLang attention backend on the CPU; ModelRunner
 itself is too heavy to build here, so the runner is a namespace holding those real objects)."""
 
-import os
 from types import SimpleNamespace
 
 import pytest
@@ -45,15 +44,6 @@ def test_check_memory_refuses_a_plan_that_does_not_fit_naming_the_flags(part):
 
 
 # ---- init_attention_backends_hook ----------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def restore_env():
-    """ServerArgs with --kv-sparse oasis sets SGLang environment variables: put them back."""
-    saved = dict(os.environ)
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
-
 
 @pytest.fixture(scope="module")
 def oasis_args(model, restore_env):

@@ -2,7 +2,6 @@
 (real ServerArgs; the flag handling at start-up is in test_server_args)."""
 
 import json
-import os
 import pickle
 
 import pytest
@@ -12,15 +11,6 @@ from oasis_sglang.config import OasisConfig, OasisConfigError
 from oasis_sglang.sglang_glue.server_args import oasis_config
 
 JSON = '{"budget_tokens": 16, "block_size": 4, "dense_layers": [0], "fetch_cap": 2}'
-
-
-@pytest.fixture(scope="module")
-def restore_env():
-    """ServerArgs with --kv-sparse oasis sets SGLang environment variables: put them back."""
-    saved = dict(os.environ)
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
 
 
 @pytest.fixture(scope="module")
