@@ -84,13 +84,12 @@ class OasisSparseKV:
         if cfg.measure_agreement and not self.predictor.asynchronous:
             raise OasisConfigError("kv_sparse_config: 'measure_agreement' needs a predictor that predicts a step "
                                    "ahead (previous or lookahead), not current")
-        self.ops = ops if ops is not None else TorchKVOps()
+        ops = ops if ops is not None else TorchKVOps()
         self.cfg, self.device, self.bs = cfg, torch.device(device), cfg.block_size
         self.head_num, self.head_dim, self.v_head_dim = head_num, head_dim, v_head_dim
         self.num_layers = num_layers
         self.sparse_layers = [i for i in range(num_layers) if i not in cfg.dense_layers]
         self.index = {l: i for i, l in enumerate(self.sparse_layers)}
-        self.padding_row = padding_row
         num_pages = -(-num_tokens // self.bs)
         pin = self.device.type == "cuda"
         L = len(self.sparse_layers)
@@ -106,7 +105,7 @@ class OasisSparseKV:
         # read only when reporting; one row per layer so a layer's prefetch stream and the
         # compute stream never update the same element concurrently
         self.counters = torch.zeros((L, 4), dtype=torch.int64, device=self.device)
-        self.stages = PrefetchStages(cfg, self.ops, self.summaries, self.ws, self.host, self.counters, self.pipe,
+        self.stages = PrefetchStages(cfg, ops, self.summaries, self.ws, self.host, self.counters, self.pipe,
                                      self.record, self._bench, padding_row)
         self._clock = torch.zeros((), dtype=torch.int64, device=self.device)   # LRU clock (device)
         self._host_steps = 0               # eager + replayed decode steps (host count)
@@ -132,6 +131,16 @@ class OasisSparseKV:
             "summaries": 2 * L * pages * head_num * head_dim * dtype_bytes,
             "host_tier": L * pages * cfg.block_size * head_num * (head_dim + v_head_dim) * dtype_bytes,
         }
+
+    @property
+    def ops(self) -> BaseKVOps:
+        """The kernels (``core.ops.BaseKVOps``), shared with the prefetch stages; fixed at construction."""
+        return self.stages.ops
+
+    @property
+    def padding_row(self) -> int | None:
+        """The request row that pads a captured batch (never written back, counted or checked)."""
+        return self.stages.padding_row
 
     @property
     def bench(self) -> BenchHooks:
