@@ -289,7 +289,7 @@ class OasisSparseKV:
     def begin_decode_step(self, rows: torch.Tensor, seq_lens: torch.Tensor, req_to_token: torch.Tensor, *,
                           mode: StepMode | str = StepMode.EAGER, max_seq_len: int | None = None,
                           rows_host: Sequence[int] | None = None,
-                          seq_lens_host: Sequence[int] | None = None) -> DecodeStep:
+                          seq_lens_host: Sequence[int] | None = None, seq_offset: int = 0) -> DecodeStep:
         """Start a decode step: call once per batch, before its first sparse layer.
 
         Args:
@@ -307,6 +307,11 @@ class OasisSparseKV:
             rows_host, seq_lens_host: ``rows`` and ``seq_lens`` as host integers (SGLang's
                 scheduler rows and ``seq_lens_cpu``): the "was every row predicted for this
                 context?" check then reads no device memory.
+            seq_offset: tokens of context each row has beyond ``seq_lens`` (0 or 1): the decode
+                row of SGLang's paired TARGET_VERIFY batch sees one more token than the
+                batch's ``seq_lens``. Added on the device: at once (eager) or in
+                ``prepare_step_device`` (capture, so a replay adds it to the replayed lengths).
+                ``seq_lens_host`` and ``max_seq_len`` already include it.
         Returns:
             The :class:`DecodeStep` the layers will read (also ``self.step``).
         Raises:
@@ -324,6 +329,8 @@ class OasisSparseKV:
             mode = StepMode(mode)
         except ValueError:
             raise ValueError(f"{what}: mode {mode!r}: want one of {[m.value for m in StepMode]}") from None
+        if seq_offset not in (0, 1) or isinstance(seq_offset, bool):
+            raise ValueError(f"{what}: seq_offset {seq_offset!r}: want 0 or 1 (tokens beyond seq_lens)")
         width = None if req_to_token is None else check_table(req_to_token, what)
         if mode is StepMode.REPLAY:
             return self._begin_replay(rows_host, seq_lens_host, width)
@@ -348,6 +355,8 @@ class OasisSparseKV:
                                  f"seq_lens_host ({max(host[1])}): blocks past it would never be selected")
         rows_d = rows.to(self.device, torch.int64)
         seq = seq_lens.to(self.device, torch.int64)
+        if seq_offset and mode is not StepMode.CAPTURE:
+            seq = seq + seq_offset
         rtt = req_to_token if req_to_token.device == self.device else req_to_token.to(self.device)
         if mode is StepMode.CAPTURE:
             max_seq = max_seq_len if max_seq_len is not None else width
@@ -366,7 +375,8 @@ class OasisSparseKV:
             max_seq = max_seq_len if max_seq_len is not None else hi_s
         step = DecodeStep(mode, rows_d, seq, rtt, -(-max_seq // self.bs), max_seq,
                           None if host is None else host[0], None if host is None else host[1],
-                          sync=not self.predictor.asynchronous)
+                          sync=not self.predictor.asynchronous,
+                          seq_offset=seq_offset if mode is StepMode.CAPTURE else 0)
         self._step = step
         if mode is StepMode.CAPTURE or B == 0:
             return step
@@ -425,7 +435,8 @@ class OasisSparseKV:
 
     def prepare_step_device(self) -> None:
         """The step's per-step device values: LRU clock + 1, ``seq - 1``, ``seq + 1`` (three
-        launches per step instead of per layer). Graph-recordable (no host read): SGLang's
+        launches per step instead of per layer; a captured step's ``seq_offset`` first).
+        Graph-recordable (no host read): SGLang's
         ``init_forward_metadata_in_graph`` calls it inside a captured decode graph; an eager
         ``begin_decode_step`` calls it itself.
 
@@ -436,6 +447,8 @@ class OasisSparseKV:
         if st is None:
             raise RuntimeError("OasisKV: prepare_step_device without begin_decode_step")
         self._clock += 1
+        if st.seq_offset:
+            st.seq = st.seq_lens + st.seq_offset     # recorded: a replay offsets the replayed lengths
         st.seq_m1, st.seq_p1, st.clock_next = st.seq - 1, st.seq + 1, self._clock + 1
 
     @property

@@ -50,6 +50,9 @@ class DecodeStep:
         timed: the exposed wait on transfers is timed (eager steps on CUDA).
         seq_m1, seq_p1, clock_next: ``seq - 1``, ``seq + 1`` and the LRU clock of the next step
             (device), set by ``OasisSparseKV.prepare_step_device`` (inside a captured graph).
+        seq_offset: tokens ``prepare_step_device`` adds to ``seq_lens`` to make ``seq`` (a
+            captured paired verify step: 1; eager steps add it at once and keep 0).
+        seq_lens: the lengths as the caller passed them (``seq`` before ``seq_offset``).
     """
 
     mode: StepMode
@@ -65,6 +68,12 @@ class DecodeStep:
     seq_m1: torch.Tensor | None = None
     seq_p1: torch.Tensor | None = None
     clock_next: torch.Tensor | None = None
+    seq_offset: int = 0
+    seq_lens: torch.Tensor | None = None
+
+    def __post_init__(self):
+        if self.seq_lens is None:
+            self.seq_lens = self.seq
 
     @property
     def batch_size(self) -> int:

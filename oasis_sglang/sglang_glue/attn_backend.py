@@ -5,7 +5,8 @@ and only delegates to the engine (``core.OasisSparseKV``):
 
 * SGLang's forward-metadata hooks (``layers/attention/base_attn_backend.py``) start each decode
   step: ``init_forward_metadata`` (eager) and ``init_forward_metadata_out_graph`` (before a
-  decode CUDA-graph capture or replay) call ``engine.begin_decode_step``;
+  CUDA-graph capture or replay of a DECODE batch, or of the paired TARGET_VERIFY batch with a
+  draft: ``DecodeCudaGraphRunner`` captures one or the other) call ``engine.begin_decode_step``;
   ``init_forward_metadata_in_graph`` (recorded in a captured graph) calls
   ``engine.prepare_step_device``;
 * sparse layers: prefill through ``engine.extend_attention``, decode through
@@ -53,11 +54,14 @@ class OasisAttnBackend(WrappedBackend):
         return r
 
     def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
-        """SGLang's decode CUDA-graph runner, outside the graph: before a capture (and its
-        warm-up runs) a ``capture`` step; before a replay the periodic log line (about the steps
-        already queued) and a ``replay`` step (host bookkeeping). The wrapped backend first."""
+        """SGLang's decode CUDA-graph runner (DECODE, or the paired TARGET_VERIFY with a draft),
+        outside the graph: before a capture (and its warm-up runs) a ``capture`` step; before a
+        replay the periodic log line (about the steps already queued) and a ``replay`` step
+        (host bookkeeping; a verify batch's decode row has one more token of context than
+        ``seq_lens``). The wrapped backend first."""
         r = self.inner.init_forward_metadata_out_graph(forward_batch, in_capture=in_capture)
-        if not forward_batch.forward_mode.is_decode():
+        mode = forward_batch.forward_mode
+        if not (mode.is_decode() or mode.is_target_verify()):
             return r
         if in_capture:
             self._begin(forward_batch, StepMode.CAPTURE)
@@ -66,32 +70,35 @@ class OasisAttnBackend(WrappedBackend):
         rows = self.runtime.batch_rows_host
         if rows is None or len(rows) != B:   # scheduler_hooks.can_run_graph_hook refuses such a batch first
             raise RuntimeError(f"OasisKV: replaying a decode CUDA graph without the batch's {B} rows on the host")
+        extra = 1 if mode.is_target_verify() else 0
         self.log.maybe_log()           # about the steps before this one: their device work is queued
         self.engine.begin_decode_step(forward_batch.req_pool_indices, forward_batch.seq_lens,
-                                      self.req_to_token_pool.req_to_token, mode=StepMode.REPLAY,
-                                      rows_host=rows, seq_lens_host=forward_batch.seq_lens_cpu[:B].tolist())
+                                      self.req_to_token_pool.req_to_token, mode=StepMode.REPLAY, rows_host=rows,
+                                      seq_lens_host=[x + extra for x in forward_batch.seq_lens_cpu[:B].tolist()])
         return r
 
     def init_forward_metadata_in_graph(self, forward_batch):
-        """Inside a captured decode graph: the step's device values (``prepare_step_device``)."""
+        """Inside a captured decode (or paired verify) graph: the step's device values
+        (``prepare_step_device``)."""
         r = self.inner.init_forward_metadata_in_graph(forward_batch)
-        st = self.engine.step
-        if forward_batch.forward_mode.is_decode() and st is not None and st.mode is StepMode.CAPTURE:
+        st, mode = self.engine.step, forward_batch.forward_mode
+        if (mode.is_decode() or mode.is_target_verify()) and st is not None and st.mode is StepMode.CAPTURE:
             self.engine.prepare_step_device()
         return r
 
     def _begin(self, forward_batch, mode: StepMode) -> None:
         """``engine.begin_decode_step`` for this batch: a decode batch as it is; a paired verify
-        batch (2 tokens per request) as the decode of its first token, whose context is one more."""
+        batch (2 tokens per request) as the decode of its first token, whose context is one more
+        (``seq_offset=1``: added inside the graph when capturing, so replays see their lengths)."""
         extra = 1 if forward_batch.forward_mode.is_target_verify() else 0
         mx = None if mode is StepMode.CAPTURE else max_seq_len(forward_batch)
         rows_h = seq_h = None
         if mode is StepMode.EAGER:
             rows_h, seq_h = host_rows(forward_batch, self.runtime.batch_rows_host, extra)
-        seq = forward_batch.seq_lens + extra if extra else forward_batch.seq_lens
-        self.engine.begin_decode_step(forward_batch.req_pool_indices, seq, self.req_to_token_pool.req_to_token,
-                                      mode=mode, max_seq_len=None if mx is None else mx + extra,
-                                      rows_host=rows_h, seq_lens_host=seq_h)
+        self.engine.begin_decode_step(forward_batch.req_pool_indices, forward_batch.seq_lens,
+                                      self.req_to_token_pool.req_to_token, mode=mode,
+                                      max_seq_len=None if mx is None else mx + extra,
+                                      rows_host=rows_h, seq_lens_host=seq_h, seq_offset=extra)
         self._step_rows = forward_batch.req_pool_indices
 
     def _check_step(self, forward_batch) -> None:
@@ -164,7 +171,7 @@ class OasisAttnBackend(WrappedBackend):
                                  decode=True)
         o = self.engine.decode_attention(layer.layer_id, q2[:, 0], k2[:, 0], v2[:, 0], layer.scaling,
                                          q_draft=q2[:, 1], k_draft=k2[:, 1], v_draft=v2[:, 1])
-        if layer.layer_id == self.last_sparse_layer:
-            self.log.maybe_log()
+        if layer.layer_id == self.last_sparse_layer and self.engine.step.mode is StepMode.EAGER:
+            self.log.maybe_log()       # (a replayed step logs before its replay; a capture never)
         return o.reshape(-1, Hq * Dv)
 

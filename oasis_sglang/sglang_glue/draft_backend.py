@@ -14,14 +14,17 @@ from __future__ import annotations
 import logging
 
 import torch
-from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
 from .batch_info import max_seq_len
-from .wrapped_backend import WrappedBackend
 
 logger = logging.getLogger(__name__)
 
 _PLAIN_KWARGS = ("sinks", "score_mod", "aux_tensors")
+
+
+def capturing() -> bool:
+    """A CUDA graph is being captured on the current stream (never on CPU)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def paged_ok(layer, kwargs) -> bool:
@@ -60,7 +63,10 @@ def paired_paged_attention(ops, pool, req_to_token, q, k, v, layer, forward_batc
         raise RuntimeError(f"OasisKV: the paired forward needs 2 tokens per request, got {q.shape[0]} for {B} requests")
     if save_kv_cache:
         pool.set_kv_buffer(layer, forward_batch.out_cache_loc, k.view(-1, H, D), v.view(-1, H, Dv))
-    mx = max_seq_len(forward_batch)
+    # the longest context sizes the split-KV grid only (each split's length is derived per
+    # request on the device). While SGLang captures a CUDA graph its host lengths are the
+    # capture's fill values, so the graph is sized for the table's width instead.
+    mx = req_to_token.shape[1] - extra_lens if capturing() else max_seq_len(forward_batch)
     o = ops.paged_attention(q.view(B, 2, Hq, D), pool.get_key_buffer(layer.layer_id),
                             pool.get_value_buffer(layer.layer_id), req_to_token, forward_batch.req_pool_indices,
                             forward_batch.seq_lens + extra_lens, layer.scaling,
@@ -68,30 +74,68 @@ def paired_paged_attention(ops, pool, req_to_token, q, k, v, layer, forward_batc
     return o.reshape(-1, Hq * Dv)
 
 
-class OasisDraftBackend(WrappedBackend):
-    """The draft worker's draft-extend backend for ``--kv-sparse oasis`` with a draft.
+class OasisDraftBackend:
+    """The draft worker's draft-extend backend for ``--kv-sparse oasis`` with a draft: a mixin.
 
     After each paired forward SGLang's EAGLE v2 worker runs a DRAFT_EXTEND_V2 pass of 2 tokens
     per request over the draft model's own (dense) KV cache; here it runs
-    ``paired_paged_attention``; every other pass goes to the wrapped backend.
+    ``paired_paged_attention``; every other pass goes to the backend's own ``forward_extend``.
+
+    It is not a wrapper: SGLang captures the draft-extend pass in a CUDA graph only for backends
+    of its listed classes (``EagleDraftWorker._capture_cuda_graphs``, eagle_worker_v2.py:
+    ``isinstance(draft_extend_attn_backend, (TritonAttnBackend, ...))``), so
+    :func:`adopt_draft_backend` gives the backend SGLang built a subclass of its own class with
+    this ``forward_extend``; the object, its state and its type checks stay SGLang's.
     """
 
-    def __init__(self, inner: AttentionBackend, ops, pool, req_to_token_pool):
-        super().__init__(inner)
-        self.ops, self.pool, self.req_to_token_pool = ops, pool, req_to_token_pool
+    __slots__ = ()                 # no layout of its own: SGLang's object can take the subclass
+    _oasis_base: type = object     # the class SGLang built (its forward_extend serves the other passes)
+    _oasis_draft: tuple = ()       # (ops, token_to_kv_pool, req_to_token_pool), set per object
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         """DRAFT_EXTEND_V2 (``forward_batch.seq_lens`` already counts its 2 tokens): paged
-        attention; anything else: the wrapped backend. ``q [2B, Hq*D]`` -> ``[2B, Hq*Dv]``."""
+        attention; anything else: the backend's own. ``q [2B, Hq*D]`` -> ``[2B, Hq*Dv]``."""
         if forward_batch.forward_mode.is_draft_extend_v2() and paged_ok(layer, kwargs):
-            return paired_paged_attention(self.ops, self.pool, self.req_to_token_pool.req_to_token,
-                                          q, k, v, layer, forward_batch, save_kv_cache, extra_lens=0)
-        return self.inner.forward_extend(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
+            ops, pool, rtp = self._oasis_draft
+            return paired_paged_attention(ops, pool, rtp.req_to_token, q, k, v, layer, forward_batch, save_kv_cache,
+                                          extra_lens=0)
+        return self._oasis_base.forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache,
+                                               **kwargs)
+
+
+_ADOPTED: dict[type, type] = {}
+
+
+def adopt_draft_backend(backend, ops, pool, req_to_token_pool):
+    """Make ``backend`` (the draft worker's attention backend SGLang built) an
+    :class:`OasisDraftBackend`: its class becomes ``OasisDraft<its class>``, a subclass of
+    both, so it stays an instance of its own class (SGLang's CUDA-graph checks) and only its
+    DRAFT_EXTEND_V2 pass changes. Idempotent; ``None`` stays ``None``.
+
+    Returns:
+        ``backend`` itself.
+    """
+    if backend is None:
+        return None
+    cls = type(backend)
+    if not issubclass(cls, OasisDraftBackend):
+        sub = _ADOPTED.get(cls)
+        if sub is None:
+            # (cls first: CPython lets an object change class only to one with its own layout
+            # base first; the subclass's own forward_extend still comes before cls's)
+            sub = _ADOPTED[cls] = type(f"OasisDraft{cls.__name__}", (cls, OasisDraftBackend),
+                                       {"__module__": __name__, "__doc__": OasisDraftBackend.__doc__,
+                                        "__slots__": (), "_oasis_base": cls,
+                                        "forward_extend": OasisDraftBackend.forward_extend})
+        backend.__class__ = sub
+    backend._oasis_draft = (ops, pool, req_to_token_pool)
+    return backend
 
 
 def draft_backend_hook(result, self, *args, **kwargs):
-    """AFTER ``EagleDraftWorker.init_attention_backend``: wrap the draft-extend backend (the
-    draft layer of the paired forward) when ``--kv-sparse oasis`` runs with a draft."""
+    """AFTER ``EagleDraftWorker.init_attention_backend``: the draft-extend backend (the draft
+    layer of the paired forward) becomes an :class:`OasisDraftBackend` when ``--kv-sparse
+    oasis`` runs with a draft (before SGLang captures the draft-extend CUDA graph)."""
     from .server_args import oasis_config
 
     sa = getattr(self, "server_args", None) or self.draft_runner.server_args
@@ -101,15 +145,8 @@ def draft_backend_hook(result, self, *args, **kwargs):
     from oasis_sglang.kernels import get_kv_ops
 
     ops = get_kv_ops(cfg.kernel_backend(torch.device(self.draft_runner.device).type))
-    wrapped = {}
-
-    def wrap(b):
-        if b is None or isinstance(b, OasisDraftBackend):
-            return b
-        return wrapped.setdefault(id(b), OasisDraftBackend(b, ops, self.draft_runner.token_to_kv_pool,
-                                                           self.draft_runner.req_to_token_pool))
-
-    self.draft_extend_attn_backend = wrap(self.draft_extend_attn_backend)
-    self.draft_runner.attn_backend = wrap(self.draft_runner.attn_backend)
+    r = self.draft_runner
+    for b in (self.draft_extend_attn_backend, r.attn_backend):
+        adopt_draft_backend(b, ops, r.token_to_kv_pool, r.req_to_token_pool)
     logger.info("OasisKV: the draft layer's draft-extend pass runs %s paged attention", ops.name)
     return result

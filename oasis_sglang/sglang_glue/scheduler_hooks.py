@@ -22,20 +22,23 @@ def run_batch_hook(self, batch, *args, **kwargs):
 
 
 def can_run_graph_hook(result, self, forward_batch, *args, **kwargs):
-    """AFTER ``DecodeCudaGraphRunner.can_run_graph``: replay a decode step only when the OasisKV
+    """AFTER ``DecodeCudaGraphRunner.can_run_graph``: replay a decode step (or the paired
+    TARGET_VERIFY step, whose decode row's context is ``seq_lens + 1``) only when the OasisKV
     engine says every row was predicted for this context (``OasisSparseKV.can_replay``, host
     values only); otherwise SGLang runs it eagerly and the engine selects synchronously."""
     if not result:
         return result
     mr = getattr(self, "model_runner", None)
     rt = runtime_of(getattr(mr, "req_to_token_pool", None))
-    if rt is None or getattr(mr, "is_draft_worker", False) or not forward_batch.forward_mode.is_decode():
+    mode = forward_batch.forward_mode
+    if rt is None or getattr(mr, "is_draft_worker", False) or not (mode.is_decode() or mode.is_target_verify()):
         return result
     rows, seq = rt.batch_rows_host, getattr(forward_batch, "seq_lens_cpu", None)
     B = forward_batch.batch_size
     if rows is None or seq is None or len(rows) != B or len(seq) != B:
         return False
-    return rt.engine.can_replay(rows, seq.tolist())
+    extra = 1 if mode.is_target_verify() else 0     # the paired verify's decode row: one more token
+    return rt.engine.can_replay(rows, [x + extra for x in seq.tolist()])
 
 
 def req_free_hook(self, req, *args, **kwargs):

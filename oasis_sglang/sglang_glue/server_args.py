@@ -60,8 +60,8 @@ def handle_kv_sparse_args(args) -> OasisConfig:
     """Validate the OasisKV flags against the rest of ``args`` and set dependent defaults.
 
     Sets ``page_size`` to ``block_size`` and the attention backend to ``torch_native`` on CPU
-    when they are unset, captures only decode steps in CUDA graphs (none on CPU or with a
-    draft; ``_cuda_graph_args``), keeps overlap scheduling only without a draft (``_overlap_args``),
+    when they are unset, captures only decode steps in CUDA graphs (with a draft the paired
+    verify step and the draft-extend pass; none on CPU; ``_cuda_graph_args``), keeps overlap scheduling only without a draft (``_overlap_args``),
     makes admission reserve prompt + max_new_tokens in the token pool (= host tier), bounds
     ``--max-running-requests`` (default 64), and stores the normalised config JSON back in
     ``args.kv_sparse_config``.
@@ -255,12 +255,14 @@ def _cuda_graph_config(args) -> dict:
 
 def _cuda_graph_args(args, cpu: bool) -> None:
     """CUDA graphs with OasisKV: the decode step is captured (SGLang's decode graph runner; the
-    engine's ``capture`` / ``replay`` steps) with the ``full`` backend, prefill never is (it walks requests on
-    the host). With a draft (the paired TARGET_VERIFY forward) and on CPU nothing is captured.
+    engine's ``capture`` / ``replay`` steps) with the ``full`` backend; with a draft that step
+    is the paired TARGET_VERIFY forward (the runner captures verify batches then), and SGLang's
+    draft-extend graph runner captures the draft layer's pass. Prefill never is (it walks
+    requests on the host). On CPU nothing is captured.
 
     Raises:
         OasisConfigError: a CUDA-graph flag asks for a capture OasisKV cannot run (prefill, a
-            decode backend other than ``full``, any decode graph with a draft or on CPU).
+            decode backend other than ``full``, any decode graph on CPU).
     """
     cfg = _cuda_graph_config(args)
     pre = str(cfg.get("prefill", {}).get("backend", "disabled")).lower()
@@ -271,9 +273,7 @@ def _cuda_graph_args(args, cpu: bool) -> None:
     if getattr(args, "cuda_graph_backend_prefill", None) not in (None, "disabled"):
         raise bad("--cuda-graph-backend-prefill", args.cuda_graph_backend_prefill,
                   "OasisKV prefill cannot be captured; use 'disabled'")
-    why = ("on the CPU engine" if cpu else
-           "with a draft model (the paired TARGET_VERIFY forward is not captured yet)"
-           if getattr(args, "speculative_algorithm", None) else None)
+    why = "on the CPU engine" if cpu else None
     for flag, val in (("--cuda-graph-backend-decode", getattr(args, "cuda_graph_backend_decode", None)),
                       ("--cuda-graph-config decode backend", dec)):
         if val is None or str(val).lower() == "disabled":

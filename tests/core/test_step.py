@@ -96,3 +96,26 @@ def test_replay_needs_host_lists_and_leaves_no_step():
         eng.decode_attention(1, torch.zeros(2, 6, D), torch.zeros(2, H, D), torch.zeros(2, H, D), None)
     with pytest.raises(RuntimeError, match="prepare_step_device without begin_decode_step"):
         eng.prepare_step_device()
+
+
+def test_a_captured_seq_offset_is_added_inside_the_graph_from_the_callers_buffer():
+    """The paired verify step's decode row sees ``seq_lens + 1``. A capture must compute that from
+    SGLang's own length buffer in ``prepare_step_device`` (recorded in the graph): a sum taken
+    before the capture would replay the capture's lengths forever."""
+    eng = _engine()
+    rtt = torch.zeros(5, 40, dtype=torch.int32)
+    buf = torch.tensor([7, 1])
+    st = eng.begin_decode_step(torch.tensor([1, 0]), buf, rtt, mode="capture", seq_offset=1)
+    assert st.seq is buf and st.seq_offset == 1, "nothing computed before the graph"
+    eng.prepare_step_device()
+    eng.prepare_step_device()                       # SGLang's warm-up runs repeat the recorded part
+    assert st.seq.tolist() == [8, 2] and st.seq_m1.tolist() == [7, 1] and st.seq_p1.tolist() == [9, 3]
+    buf.copy_(torch.tensor([12, 1]))                # a replay: new lengths in the same buffer
+    eng.prepare_step_device()
+    assert st.seq.tolist() == [13, 2] and st.seq_lens is buf
+    st = eng.begin_decode_step(torch.tensor([1, 2]), torch.tensor([7, 13]), rtt, rows_host=[1, 2],
+                               seq_lens_host=[8, 14], seq_offset=1)
+    assert st.seq.tolist() == [8, 14] and st.seq_offset == 0, "eager: added at once"
+    for bad in (2, -1, True, 0.5):
+        with pytest.raises(ValueError, match="seq_offset"):
+            eng.begin_decode_step(torch.tensor([1]), torch.tensor([7]), rtt, seq_offset=bad)

@@ -10,7 +10,7 @@ from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 
 from oasis_sglang.core.ops import TorchKVOps
-from oasis_sglang.sglang_glue.draft_backend import OasisDraftBackend, paged_ok, paired_paged_attention
+from oasis_sglang.sglang_glue.draft_backend import OasisDraftBackend, adopt_draft_backend, paged_ok, paired_paged_attention
 
 H, HQ, D = 2, 6, 16
 
@@ -132,8 +132,13 @@ class _Inner(AttentionBackend):
 def test_draft_backend_runs_paged_attention_only_for_plain_draft_extend(seed):
     s = _Setup()
     inner = _Inner()
-    be = OasisDraftBackend(inner, TorchKVOps(), s.pool, s.rtp)
-    assert isinstance(be, AttentionBackend) and be.inner is inner
+    be = adopt_draft_backend(inner, TorchKVOps(), s.pool, s.rtp)
+    assert be is inner and isinstance(be, OasisDraftBackend), "the backend SGLang built, adopted in place"
+    assert isinstance(be, _Inner) and type(be).__name__ == "OasisDraft_Inner", \
+        "still an instance of its own class: SGLang captures draft-extend graphs only for its listed classes"
+    assert adopt_draft_backend(be, TorchKVOps(), s.pool, s.rtp) is be and type(be).__mro__.count(OasisDraftBackend) == 1
+    assert type(adopt_draft_backend(_Inner(), TorchKVOps(), s.pool, s.rtp)) is type(be), "one subclass per class"
+    assert adopt_draft_backend(None, TorchKVOps(), s.pool, s.rtp) is None
     q, k, v = torch.randn(4, HQ * D), torch.randn(4, H * D), torch.randn(4, H * D)
     fb = s.batch(ForwardMode.DRAFT_EXTEND_V2, [m + 2 for m in s.n])
     o = be.forward_extend(q, k, v, s.layer, fb)

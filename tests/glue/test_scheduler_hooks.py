@@ -174,10 +174,25 @@ def test_can_run_graph_needs_every_row_predicted_for_its_context(seed):
     assert can_run_graph_hook(True, runner, _decode_batch([1], [22])) is True
 
 
+def test_a_paired_verify_batch_replays_when_its_decode_row_was_predicted(seed):
+    """TARGET_VERIFY (the paired forward with a draft): ``seq_lens`` excludes the 2 verify
+    tokens, so the decode row's context, the one predicted, is ``seq_lens + 1``."""
+    rtp = _pool()
+    reqs = _reqs(rtp, 2)
+    runner = _graph_runner(rtp)
+    run_batch_hook(SimpleNamespace(req_to_token_pool=rtp), ScheduleBatch(reqs=reqs))
+    _prefill(rtp, [1, 2], 20)                            # predicts context 21 for each row
+    assert can_run_graph_hook(True, runner, _decode_batch([1, 2], [20, 20], mode=ForwardMode.TARGET_VERIFY)) is True
+    assert can_run_graph_hook(True, runner, _decode_batch([1, 2], [21, 21], mode=ForwardMode.TARGET_VERIFY)) is False
+    assert can_run_graph_hook(True, runner, _decode_batch([1, 2], [21, 21])) is True, "the same rows as a decode batch"
+    ext = _decode_batch([1, 2], [20, 20], mode=ForwardMode.EXTEND)
+    assert can_run_graph_hook(True, runner, ext) is True, "not a decode pass: SGLang decides"
+
+
 def test_can_run_graph_leaves_other_passes_and_the_draft_model_to_sglang(seed):
     rtp = _pool()
     reqs = _reqs(rtp, 2)
-    fb = _decode_batch([1, 2], [9, 9], mode=ForwardMode.TARGET_VERIFY)
+    fb = _decode_batch([1, 2], [9, 9], mode=ForwardMode.DRAFT_EXTEND_V2)
     assert rtp._oasis.batch_rows_host is None
     assert can_run_graph_hook(True, _graph_runner(rtp), fb) is True, "not a decode pass"
     fb = _decode_batch([1, 2], [9, 9])

@@ -147,17 +147,21 @@ def _graph_args(**kw):
 
 
 def test_cuda_graphs_capture_decode_only():
-    """On CUDA without a draft, decode steps are captured (SGLang's decode graph runner) and the
-    prefill graph is turned off; with a draft or on CPU nothing is captured; a prefill or
-    piecewise decode graph backend the engine cannot run is refused naming the flag."""
+    """On CUDA, decode steps are captured (SGLang's decode graph runner; with a draft its paired
+    TARGET_VERIFY step) and the prefill graph is turned off; on CPU nothing is captured; a
+    prefill or piecewise decode graph backend the engine cannot run is refused naming the flag."""
     from oasis_sglang.sglang_glue.server_args import _cuda_graph_args
 
     a = _graph_args()
     _cuda_graph_args(a, cpu=False)
     assert not a.disable_cuda_graph and a.disable_prefill_cuda_graph
-    a = _graph_args(speculative_algorithm="EAGLE3")
-    _cuda_graph_args(a, cpu=False)
-    assert a.disable_cuda_graph
+    for spec in ("EAGLE3", "NGRAM"):
+        a = _graph_args(speculative_algorithm=spec)
+        _cuda_graph_args(a, cpu=False)
+        assert not a.disable_cuda_graph and a.disable_prefill_cuda_graph, spec
+        a = _graph_args(speculative_algorithm=spec, cuda_graph_backend_decode="full")
+        _cuda_graph_args(a, cpu=False)
+        assert not a.disable_cuda_graph, "a full decode graph with a draft is what OasisKV captures"
     a = _graph_args()
     _cuda_graph_args(a, cpu=True)
     assert a.disable_cuda_graph
@@ -172,9 +176,9 @@ def test_cuda_graphs_capture_decode_only():
                      (dict(cuda_graph_config=obj), "--cuda-graph-config"),
                      (dict(cuda_graph_config="{not json"), "--cuda-graph-config"),
                      (dict(cuda_graph_config="[1, 2]"), "--cuda-graph-config"),
-                     # with a draft nothing is captured: a decode graph asked for is refused, not dropped
-                     (dict(speculative_algorithm="NGRAM", cuda_graph_backend_decode="full"), "--cuda-graph-backend-decode"),
-                     (dict(speculative_algorithm="EAGLE3", cuda_graph_config={"decode": {"backend": "full"}}),
+                     (dict(speculative_algorithm="NGRAM", cuda_graph_backend_decode="breakable"),
+                      "--cuda-graph-backend-decode"),
+                     (dict(speculative_algorithm="EAGLE3", cuda_graph_config={"decode": {"backend": "breakable"}}),
                       "--cuda-graph-config"),
                      (dict(disable_cuda_graph=True, cuda_graph_backend_prefill="breakable"),
                       "--cuda-graph-backend-prefill")):
