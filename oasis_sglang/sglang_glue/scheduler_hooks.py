@@ -33,6 +33,12 @@ def can_run_graph_hook(result, self, forward_batch, *args, **kwargs):
     mode = forward_batch.forward_mode
     if rt is None or getattr(mr, "is_draft_worker", False) or not (mode.is_decode() or mode.is_target_verify()):
         return result
+    planned = getattr(forward_batch, "needs_forward_metadata_init", None)
+    if planned is not None and not planned():
+        # SGLang asks again after it loaded the graph's inputs (the EAGLE verify path:
+        # eagle_prepare_for_verify, then ModelRunner._forward_raw): the replay's bookkeeping ran
+        # at that load and advanced the record, and the batch is planned for the replay only
+        return result
     rows, seq = rt.batch_rows_host, getattr(forward_batch, "seq_lens_cpu", None)
     B = forward_batch.batch_size
     if rows is None or seq is None or len(rows) != B or len(seq) != B:

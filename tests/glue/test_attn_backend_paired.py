@@ -143,7 +143,11 @@ def test_a_replayed_paired_step_advances_the_host_record_by_the_decode_rows_cont
     view = SimpleNamespace(batch_size=4, num_padding=2, forward_mode=ForwardMode.TARGET_VERIFY,
                            req_pool_indices=torch.tensor(ROWS + [0, 0]), seq_lens=torch.tensor([22, 31, 1, 1]),
                            seq_lens_cpu=torch.tensor([22, 31, 1, 1]))
-    be.init_forward_metadata_out_graph(view)
+    assert can_run_graph_hook(True, runner, nxt) is True       # SGLang's EAGLE verify: check, then load the graph
+    be.init_forward_metadata_out_graph(view)                   # (DecodeCudaGraphRunner.load_batch)
+    nxt.mark_forward_metadata_ready()
+    assert can_run_graph_hook(True, runner, nxt) is True, \
+        "asked again once loaded (ModelRunner._forward_raw): the replay stands, the record has moved on"
     assert eng.step is None, "the graph runs the layers"
     assert eng.stats.graph_steps == 1 and eng.stats.decode_steps == 2
     assert eng.last_batch == (ROWS, [23, 32]), "the decode rows' contexts, without the padding"
