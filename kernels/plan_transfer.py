@@ -16,6 +16,10 @@ blocks (priority order) and the ``K`` resident slots in registers and decides ev
   need a copy (the block has a token before the step's new one, the row is not CUDA-graph
   padding) are listed first in the row's output, with their host piece ``h * P + page``.
 
+With a step budget (``allow``: each head's share, ``core.budget.share_budget``) the admission
+limit is also at most ``max(n_free, n_forced_missing) + allow``; ``budget_candidates`` (kernel
+6b, same match) lists the candidates the share is computed over.
+
 Exactly the reference's result (indices: compared exactly). Registers: ``[BLOCK_K, BLOCK_K]``
 int32 / int64 tiles, ``BLOCK_K = next_pow2(K)`` (K = 128 for a 2,048-token budget of 16-token
 blocks).
@@ -33,16 +37,17 @@ from oasis_sglang.core.ops import TorchKVOps
 from ._common import check_range, checks_enabled, next_pow2
 
 reference = TorchKVOps().plan_transfer
+reference_candidates = TorchKVOps().budget_candidates
 
 _UNTOUCHABLE = 1 << 62          # destination key of a kept slot (after every LRU value)
 
 
 @triton.jit
 def _plan_transfer_kernel(Ids, LastUsed, Rows, Wanted, Forced, Step, Seq, ReqToToken,
-                          Dst, Src, Counts, Counters,
+                          Dst, Src, Counts, Counters, Allow,
                           stride_ir, stride_ih, stride_wb, stride_wh, stride_rt,
                           H, K, P, W, cap, skip_row,
-                          HAS_CAP: tl.constexpr, BS: tl.constexpr, BLOCK_K: tl.constexpr):
+                          HAS_CAP: tl.constexpr, HAS_ALLOW: tl.constexpr, BS: tl.constexpr, BLOCK_K: tl.constexpr):
     pid = tl.program_id(0)
     b = pid // H
     h = pid % H
@@ -73,6 +78,8 @@ def _plan_transfer_kernel(Ids, LastUsed, Rows, Wanted, Forced, Step, Seq, ReqToT
         limit = tl.maximum(n_free + cap, n_forced_missing)
     else:
         limit = K
+    if HAS_ALLOW:       # the step budget's share of the candidates (ranks from max(n_free, forced))
+        limit = tl.minimum(limit, tl.maximum(n_free, n_forced_missing) + tl.load(Allow + pid))
     admitted = missing & (rank < limit)
     n_admit = tl.sum(admitted.to(tl.int32), axis=0)
     arank = tl.cumsum(admitted.to(tl.int32), axis=0) - 1
@@ -107,8 +114,62 @@ def _plan_transfer_kernel(Ids, LastUsed, Rows, Wanted, Forced, Step, Seq, ReqToT
     tl.atomic_add(Counters + 2, evicted * r64)
 
 
+@triton.jit
+def _budget_candidates_kernel(Ids, Rows, Wanted, Forced, Out, stride_ir, stride_ih, stride_wb, stride_wh,
+                              H, K, C, cap, HAS_CAP: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One program per (request, KV head): the match of the plan kernel, then the positions of
+    the evicting, non-forced admissions the cap allows (``working_set.budget_candidates``)."""
+    pid = tl.program_id(0)
+    b = pid // H
+    h = pid % H
+    row = tl.load(Rows + b).to(tl.int64)
+    idx = tl.arange(0, BLOCK_K)
+    inr = idx < K
+    held = tl.load(Ids + row * stride_ir + h * stride_ih + idx, mask=inr, other=-1)
+    wbase = b.to(tl.int64) * stride_wb + h * stride_wh
+    w = tl.load(Wanted + wbase + idx, mask=inr, other=-1)
+    f = tl.load(Forced + wbase + idx, mask=inr, other=0) != 0
+    valid_w = w >= 0
+    match = (w.to(tl.int32)[:, None] == held.to(tl.int32)[None, :]) & valid_w[:, None] & (held >= 0)[None, :]
+    missing = valid_w & ~(tl.max(match.to(tl.int32), axis=1) > 0)
+    n_free = tl.sum(((held < 0) & inr).to(tl.int32), axis=0)
+    n_forced_missing = tl.sum((missing & f).to(tl.int32), axis=0)
+    rank = tl.cumsum(missing.to(tl.int32), axis=0) - 1
+    if HAS_CAP:
+        hi = n_free + cap
+    else:
+        hi = n_free + K
+    cand = missing & (rank >= tl.maximum(n_free, n_forced_missing)) & (rank < hi)
+    j = tl.cumsum(cand.to(tl.int32), axis=0) - 1
+    n = tl.sum(cand.to(tl.int32), axis=0)
+    obase = pid.to(tl.int64) * C
+    tl.store(Out + obase + idx, tl.full((BLOCK_K,), -1, tl.int32), mask=(idx < C) & (idx >= n))
+    tl.store(Out + obase + j, idx.to(tl.int32), mask=cand)
+
+
+def budget_candidates(ids, rows, wanted, forced, fetch_cap, num_warps: int = 8):
+    """Triton version of :meth:`TorchKVOps.budget_candidates` (same arguments and result).
+
+    Raises:
+        AssertionError: shapes, strides, dtypes or devices do not match (before the launch).
+    """
+    B, H, K = wanted.shape
+    assert ids.shape[1:] == (H, K) and forced.shape == wanted.shape, (ids.shape, wanted.shape, forced.shape)
+    assert ids.dtype == wanted.dtype == torch.int64 and forced.dtype == torch.bool
+    assert ids.stride(2) == 1 and wanted.is_contiguous() and forced.is_contiguous() and rows.shape == (B,)
+    assert rows.device == wanted.device == forced.device == ids.device
+    C = K if fetch_cap is None else min(int(fetch_cap), K)
+    out = torch.empty((B * H, C), dtype=torch.int32, device=ids.device)
+    if B == 0 or H == 0:
+        return out
+    _budget_candidates_kernel[(B * H,)](
+        ids, rows.contiguous(), wanted, forced, out, ids.stride(0), ids.stride(1), wanted.stride(0), wanted.stride(1),
+        H, K, C, C, HAS_CAP=fetch_cap is not None, BLOCK_K=next_pow2(K), num_warps=num_warps)
+    return out
+
+
 def plan_transfer(ids, last_used, rows, wanted, forced, step, fetch_cap, seq, req_to_token, block_size: int,
-                  num_pages: int, counters, skip_row: int | None = None, num_warps: int = 8):
+                  num_pages: int, counters, skip_row: int | None = None, allow=None, num_warps: int = 8):
     """Triton version of :meth:`TorchKVOps.plan_transfer` (same arguments and result).
 
     Raises:
@@ -135,13 +196,16 @@ def plan_transfer(ids, last_used, rows, wanted, forced, step, fetch_cap, seq, re
     counts = torch.empty((B * H,), dtype=torch.int32, device=dev)
     if B == 0 or H == 0:
         return dst, src, counts
+    if allow is not None:
+        assert allow.shape == (B * H,) and allow.dtype == torch.int32 and allow.device == dev and allow.is_contiguous()
     if checks_enabled():
         check_range(rows, 0, R, "rows")
         check_range(seq, 1, req_to_token.shape[1] + 2, "seq")
     _plan_transfer_kernel[(B * H,)](
         ids, last_used, rows, wanted, forced, step, seq, req_to_token, dst, src, counts, counters,
+        counts if allow is None else allow,
         ids.stride(0), ids.stride(1), wanted.stride(0), wanted.stride(1), req_to_token.stride(0),
         H, K, num_pages, req_to_token.shape[1], 0 if fetch_cap is None else min(int(fetch_cap), K),   # >= K: unbounded
         -1 if skip_row is None else int(skip_row),
-        HAS_CAP=fetch_cap is not None, BS=block_size, BLOCK_K=next_pow2(K), num_warps=num_warps)
+        HAS_CAP=fetch_cap is not None, HAS_ALLOW=allow is not None, BS=block_size, BLOCK_K=next_pow2(K), num_warps=num_warps)
     return dst, src, counts

@@ -7,7 +7,7 @@ from oasis_sglang.core.ops import BaseKVOps, TorchKVOps
 from .append_tokens import append_tokens
 from .copy_blocks import copy_blocks
 from .paged_attention import paged_attention
-from .plan_transfer import plan_transfer
+from .plan_transfer import budget_candidates, plan_transfer
 from .sparse_decode import sparse_decode_attention
 from .topk import select_topk
 from .write_kv import write_kv
@@ -49,14 +49,20 @@ class TritonKVOps(BaseKVOps):
         """See :meth:`BaseKVOps.copy_blocks`; the grid is ``copy_programs`` (``kernels.copy_blocks``)."""
         copy_blocks(dst_k, dst_v, dst_idx, src_k, src_v, src_idx, self.copy_programs, counts=counts)
 
+    def budget_candidates(self, ids, rows, wanted, forced, fetch_cap):
+        """See :meth:`BaseKVOps.budget_candidates` (``kernels.plan_transfer.budget_candidates``)."""
+        if ids.shape[-1] > MAX_FUSED_PLAN_K:
+            return TorchKVOps.budget_candidates(self, ids, rows, wanted, forced, fetch_cap)
+        return budget_candidates(ids, rows, wanted, forced, fetch_cap)
+
     def plan_transfer(self, ids, last_used, rows, wanted, forced, step, fetch_cap, seq, req_to_token,
-                      block_size, num_pages, counters, skip_row=None):
+                      block_size, num_pages, counters, skip_row=None, allow=None):
         """See :meth:`BaseKVOps.plan_transfer` (``kernels.plan_transfer``: one launch)."""
         if ids.shape[-1] > MAX_FUSED_PLAN_K:
             return TorchKVOps.plan_transfer(self, ids, last_used, rows, wanted, forced, step, fetch_cap, seq,
-                                            req_to_token, block_size, num_pages, counters, skip_row)
+                                            req_to_token, block_size, num_pages, counters, skip_row, allow)
         return plan_transfer(ids, last_used, rows, wanted, forced, step, fetch_cap, seq, req_to_token, block_size,
-                             num_pages, counters, skip_row)
+                             num_pages, counters, skip_row, allow)
 
     def append_tokens(self, ws_k, ws_v, ids, rows, pos, k, v, host_k, host_v, req_to_token, violations,
                       counters, skip_row=None):

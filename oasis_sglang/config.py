@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 
 MAX_BUDGET_TOKENS = 1 << 20   # beyond any context SGLang serves; the model check is tighter
@@ -63,6 +63,14 @@ class OasisConfig:
             (synchronous, on the critical path) or ``"auto"`` (lookahead with a draft, else
             current: without a draft, the one-step-late ``previous`` query loses needles that
             ``current`` finds at budget 512 on SmolLM2, docs/benchmarks.md). Default "auto".
+        transfer_budget: admissions per decode step over all (request, sparse layer, KV head),
+            shared by score rank (``core.budget``; paper eq. 3, ``C = B_link x T_step``):
+            ``"auto"`` (0.8 of what the host link moves in a step: its rate measured at
+            start-up times the decode step time measured while serving), a number in (0, 1]
+            with a decimal point (that fraction instead of 0.8), an integer (bytes per step), or
+            ``null`` (no step budget: ``fetch_cap`` alone). ``fetch_cap`` stays the per-head
+            ceiling; free-slot fills and sink / recent blocks are never refused. Default "auto"
+            (on CPU, where nothing crosses a link, it stays unlimited).
         measure_agreement: also score each step's own query and record, per layer, how much of
             its top-K the prediction held (costs the synchronous scoring; measurement only).
             Default false.
@@ -80,6 +88,7 @@ class OasisConfig:
     kernels: str = "auto"
     predictor: str = "auto"
     measure_agreement: bool = False
+    transfer_budget: Union[str, int, float, None] = "auto"
 
     def __post_init__(self) -> None:
         for key in ("budget_tokens", "block_size", "sink_blocks", "recent_blocks"):
@@ -125,6 +134,12 @@ class OasisConfig:
         if self.predictor not in PREDICTOR_CHOICES:
             raise OasisConfigError(
                 f"kv_sparse_config: 'predictor' must be one of {list(PREDICTOR_CHOICES)}, got {self.predictor!r}")
+        tb = self.transfer_budget
+        if not (tb is None or tb == "auto" or (_is_int(tb) and tb >= 1)
+                or (isinstance(tb, float) and 0.0 < tb <= 1.0)):
+            raise OasisConfigError(
+                f"kv_sparse_config: 'transfer_budget' must be \"auto\", a link fraction in (0, 1] (e.g. 0.5), "
+                f"a positive integer of bytes per decode step, or null; got {tb!r}")
         if not isinstance(self.measure_agreement, bool):
             raise OasisConfigError(
                 f"kv_sparse_config: 'measure_agreement' must be true or false, got {self.measure_agreement!r}")

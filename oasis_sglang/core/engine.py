@@ -37,6 +37,7 @@ import torch
 from ..config import OasisConfig, OasisConfigError
 from . import attention as attn
 from .bench_hooks import BenchHooks
+from .budget import TransferBudget
 from .checks import as_int, check_batch, check_rows, check_table, host_lists
 from .host_tier import HostTier
 from .ops import BaseKVOps, TorchKVOps
@@ -105,15 +106,17 @@ class OasisSparseKV:
         # read only when reporting; one row per layer so a layer's prefetch stream and the
         # compute stream never update the same element concurrently
         self.counters = torch.zeros((L, 4), dtype=torch.int64, device=self.device)
+        self.block_bytes = self.bs * (head_dim + v_head_dim) * torch.empty((), dtype=dtype).element_size()
+        # the step budget (core/budget.py): blocks per sparse layer and step, a device scalar
+        self.budget = TransferBudget(cfg.transfer_budget, self.block_bytes, L, self.device)
         self.stages = PrefetchStages(cfg, ops, self.summaries, self.ws, self.host, self.counters, self.pipe,
-                                     self.record, self._bench, padding_row)
+                                     self.record, self._bench, padding_row, self.budget)
         self._clock = torch.zeros((), dtype=torch.int64, device=self.device)   # LRU clock (device)
         self._host_steps = 0               # eager + replayed decode steps (host count)
         self._step: DecodeStep | None = None
         self._prefilled = False            # a prefill ran since the last decode step
         self.last_batch = None             # (rows, seq) of the last step: device tensors, or host lists (replay)
         self.last_step_timed = False       # the last decode step's exposed wait was timed (eager, CUDA)
-        self.block_bytes = self.bs * (head_dim + v_head_dim) * torch.empty((), dtype=dtype).element_size()
         self._fwd_stream = None            # stream of the last forward (CUDA), see ``reset_rows``
         self._no_tensor = torch.empty(0, dtype=torch.int64)   # the device fields of a replay step (none)
 
@@ -173,6 +176,37 @@ class OasisSparseKV:
         cfg = self.cfg if fetch_cap == "keep" else dataclasses.replace(self.cfg, fetch_cap=fetch_cap)
         self.cfg = self.stages.cfg = cfg
         self.predictor = pred
+
+    def measure_link(self, pieces: int = 4096, repeats: int = 5) -> float | None:
+        """Time the admission copy (``ops.copy_blocks``: host tier -> device, ``pieces``
+        random (KV head, block) pieces of ``block_bytes``, best of ``repeats``) and give the
+        rate to the step budget (``budget.set_link_rate``). Call once at start-up, before
+        serving (it synchronises the device).
+
+        Returns:
+            The rate in bytes/s, or ``None`` off CUDA (no link: the budget stays unlimited).
+        """
+        if self.device.type != "cuda" or not self.sparse_layers:
+            return None
+        bs, D, Dv, H, P = self.bs, self.head_dim, self.v_head_dim, self.head_num, self.host.num_pages
+        n = max(1, min(int(pieces), H * P))
+        src = torch.randperm(H * P, device=self.device)[:n]
+        dst = torch.arange(n, device=self.device)
+        k = torch.empty((n, bs * D), dtype=self.host.dtype, device=self.device)
+        v = torch.empty((n, bs * Dv), dtype=self.host.dtype, device=self.device)
+        hk, hv = self.host.k[0].view(-1, bs * D), self.host.v[0].view(-1, bs * Dv)
+        self.ops.copy_blocks(k, v, dst, hk, hv, src)                  # warm-up (compiles the kernel)
+        best = float("inf")
+        for _ in range(max(1, int(repeats))):
+            t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t0.record()
+            self.ops.copy_blocks(k, v, dst, hk, hv, src)
+            t1.record()
+            t1.synchronize()
+            best = min(best, t0.elapsed_time(t1) / 1e3)
+        rate = n * self.block_bytes / best if best > 0 else None
+        self.budget.set_link_rate(rate)
+        return rate
 
     def is_sparse(self, layer_id: int) -> bool:
         """True when ``layer_id`` (model layer index) is served by OasisKV."""

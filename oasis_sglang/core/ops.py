@@ -21,7 +21,7 @@ import torch
 
 from .attention import decode_attention, gather_working_set
 from .selection import quest_scores, select_blocks
-from .working_set import plan_admissions
+from .working_set import budget_candidates, plan_admissions
 
 
 def block_pages(req_to_token: torch.Tensor, rows: torch.Tensor, nb: int, block_size: int) -> torch.Tensor:
@@ -89,8 +89,21 @@ class BaseKVOps:
         """
         raise NotImplementedError
 
+    def budget_candidates(self, ids, rows, wanted, forced, fetch_cap):
+        """The admissions of one layer a step budget may refuse (``core.working_set.budget_candidates``).
+
+        Args:
+            ids: ``[R, H, K]`` int64 block table. rows: ``[B]``. wanted / forced: ``[B, H, K]``
+                from ``select_topk``. fetch_cap: the per-head ceiling (``None``: K).
+        Returns:
+            ``[B*H, C]`` int32, ``C = min(fetch_cap, K)``: the candidates' positions in each
+            (request, KV head)'s top-K list, increasing, ``-1`` padded. No host sync.
+        Paper: Methodology, eq. 3 (the step budget).
+        """
+        raise NotImplementedError
+
     def plan_transfer(self, ids, last_used, rows, wanted, forced, step, fetch_cap, seq, req_to_token,
-                      block_size: int, num_pages: int, counters, skip_row: int | None = None):
+                      block_size: int, num_pages: int, counters, skip_row: int | None = None, allow=None):
         """Stage (b) of the pipeline and the index work of stage (c), for one layer: capped
         eviction against the resident set, then the host-tier pieces to copy in.
 
@@ -108,6 +121,8 @@ class BaseKVOps:
             counters: ``[>=3]`` int64 device counters of the layer, incremented in place by
                 (hits, copied blocks, evictions) of the rows other than ``skip_row``.
             skip_row: a CUDA-graph padding row: planned like any row, but it copies and counts nothing.
+            allow: ``[B*H]`` int32, the step budget's share of each (request, KV head)'s
+                ``budget_candidates`` (``core.budget.share_budget``); ``None``: the cap alone.
         Returns:
             ``(dst [B*H, K] int64, src [B*H, K] int64, counts [B*H] int32)``: row ``b * H + h``
             lists the working-set pieces ``(rows[b] * H + h) * K + slot`` to fill and their host
@@ -230,12 +245,16 @@ class TorchKVOps(BaseKVOps):
         dst_k[di] = src_k[si].to(dst_k.device, dst_k.dtype)
         dst_v[di] = src_v[si].to(dst_v.device, dst_v.dtype)
 
+    def budget_candidates(self, ids, rows, wanted, forced, fetch_cap):
+        """Reference: ``core.working_set.budget_candidates``."""
+        return budget_candidates(ids, rows, wanted, forced, fetch_cap)
+
     def plan_transfer(self, ids, last_used, rows, wanted, forced, step, fetch_cap, seq, req_to_token,
-                      block_size, num_pages, counters, skip_row=None):
+                      block_size, num_pages, counters, skip_row=None, allow=None):
         """Reference: ``core.working_set.plan_admissions`` (sorts and a ``[B, H, K, K]`` match),
         then the pieces of the copied admissions gathered through ``req_to_token``."""
         counted = None if skip_row is None else rows != skip_row
-        adm = plan_admissions(ids, last_used, rows, wanted, forced, step, fetch_cap, counted)
+        adm = plan_admissions(ids, last_used, rows, wanted, forced, step, fetch_cap, counted, allow)
         B, H, K = wanted.shape
         bs, W = block_size, req_to_token.shape[1]
         h = torch.arange(H, device=ids.device)[None, :, None]

@@ -38,7 +38,7 @@ def residency(eng: "OasisSparseKV") -> dict:
         budget_tokens, sparse_layers, working_set_bytes, summary_bytes, host_tier_bytes,
         decode_steps, hit_blocks, admitted_blocks, evicted_blocks, bytes_h2d, bytes_d2h,
         sync_steps, graph_steps, exposed_wait_ms, exposed_wait_timed, agreement,
-        prediction_check``.
+        prediction_check, transfer_budget_bytes`` (bytes a step may admit; ``None``: unlimited).
     Raises:
         RuntimeError: a decoded token found its block not resident (``WorkingSet.check``).
     """
@@ -74,6 +74,7 @@ def residency(eng: "OasisSparseKV") -> dict:
         "bytes_d2h": written_back * eng.block_bytes,
         "sync_steps": s.sync_steps,
         "graph_steps": s.graph_steps,
+        "transfer_budget_bytes": eng.budget.bytes_per_step if eng.budget.enabled else None,
         "exposed_wait_ms": eng.pipe.exposed_wait_ms(),
         "exposed_wait_timed": eng.last_step_timed,
         "agreement": [a / t if t else None for a, t in agree] if eng.cfg.measure_agreement else None,

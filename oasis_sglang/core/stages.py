@@ -7,7 +7,10 @@ context is ``seq`` tokens per request:
                 summary, top-K blocks per (request, KV head), sink / recent blocks forced
                 (``ops.select_topk``);
   (b) select    plan admissions against the resident set: LRU eviction, at most ``fetch_cap``
-                evicting admissions per (request, KV head) (``ops.plan_transfer``);
+                evicting admissions per (request, KV head), and with a step budget
+                (``core/budget.py``) that layer's share of it, given to the candidates of all
+                (request, KV head) pairs by score rank (``ops.budget_candidates``,
+                ``share_budget``, ``ops.plan_transfer``);
   (c) transfer  copy the admitted 4 KiB-class pieces from the host tier into their working-set
                 slots (``ops.copy_blocks``: the H2D gather kernel on CUDA).
 
@@ -21,6 +24,7 @@ import torch
 
 from ..config import OasisConfig
 from .bench_hooks import BenchHooks
+from .budget import TransferBudget, share_budget
 from .host_tier import HostTier
 from .ops import BaseKVOps
 from .prediction import PredictionRecord
@@ -38,13 +42,15 @@ class PrefetchStages:
         counters: ``[L, 4]`` int64 device counters (hits, admitted, evicted, written back).
         pipe: the engine's ``PrefetchPipeline``. record: its ``PredictionRecord``.
         bench: its ``BenchHooks`` (read at call time). padding_row: the request row that pads
-            a captured batch, or ``None``.
+            a captured batch, or ``None``. budget: the engine's ``TransferBudget`` (``None``
+            or disabled: the cap alone).
     """
 
     def __init__(self, cfg: OasisConfig, ops: BaseKVOps, summaries: KeySummaries, ws: WorkingSet, host: HostTier,
                  counters: torch.Tensor, pipe: PrefetchPipeline, record: PredictionRecord, bench: BenchHooks,
-                 padding_row: int | None):
+                 padding_row: int | None, budget: TransferBudget | None = None):
         self.cfg, self.ops, self.summaries, self.ws, self.host = cfg, ops, summaries, ws, host
+        self.budget = budget
         self.counters, self.pipe, self.record, self.bench, self.padding_row = counters, pipe, record, bench, padding_row
         L, R, H = ws.L, ws.R, ws.H
         dev = counters.device
@@ -73,9 +79,13 @@ class PrefetchStages:
         """
         if self.pred_wanted is not None:
             self.pred_wanted[li][rows] = torch.where(forced, -1, wanted)
+        allow = None
+        if self.budget is not None and self.budget.enabled:
+            cand = self.ops.budget_candidates(self.ws.ids[li], rows, wanted, forced, self.cfg.fetch_cap)
+            allow = share_budget(cand, self.budget.blocks, clock, wanted.shape[-1])
         return self.ops.plan_transfer(self.ws.ids[li], self.ws.last_used[li], rows, wanted, forced, clock,
                                       self.cfg.fetch_cap, seq, rtt, self.cfg.block_size, self.host.num_pages,
-                                      self.counters[li], skip_row=self.padding_row)
+                                      self.counters[li], skip_row=self.padding_row, allow=allow)
 
     def transfer(self, li: int, plan) -> None:
         """Stage (c), H2D: the working-set pieces of ``plan = (dst, src, counts)`` from the host

@@ -87,8 +87,49 @@ class WorkingSet:
         return plan_admissions(self.ids[layer], self.last_used[layer], rows, wanted, forced, step, fetch_cap, counted)
 
 
+def _missing(ids: torch.Tensor, rows: torch.Tensor, wanted: torch.Tensor):
+    """``(held, match, in_held, missing)`` of one layer: the ``[B, H, K, K]`` match of wanted
+    blocks (rows) against resident ones (columns)."""
+    held = ids[rows]                                            # [B, H, K]
+    assert wanted.shape == held.shape, (wanted.shape, held.shape)
+    valid_w = wanted >= 0
+    match = (wanted[..., :, None] == held[..., None, :]) & valid_w[..., :, None] & (held >= 0)[..., None, :]
+    in_held = match.any(-1)
+    return held, match, in_held, valid_w & ~in_held
+
+
+def budget_candidates(ids: torch.Tensor, rows: torch.Tensor, wanted: torch.Tensor, forced: torch.Tensor,
+                      fetch_cap: int | None) -> torch.Tensor:
+    """The admissions a step budget may refuse, for one layer (torch reference; paper eq. 3).
+
+    Missing blocks are admitted in priority order (forced first, then by descending score):
+    the first ``n_free`` into free slots, the rest each evicting a resident block. The
+    candidates are the evicting admissions of non-forced blocks that ``fetch_cap`` allows:
+    missing ranks ``max(n_free, n_forced_missing) .. n_free + cap - 1``. Free-slot fills and
+    forced (sink / recent) blocks are never refused.
+
+    Args:
+        ids: ``[R, H, K]`` block table. rows: ``[B]``. wanted / forced: ``[B, H, K]`` from
+            ``select_blocks`` (priority order). fetch_cap: the per-head ceiling (``None``: K).
+    Returns:
+        ``[B*H, C]`` int32, ``C = min(fetch_cap, K)``: per (request, KV head) the candidates'
+        positions in ``wanted`` (their score rank within the head), increasing, ``-1`` padded.
+    """
+    held, _, _, missing = _missing(ids, rows, wanted)
+    B, H, K = held.shape
+    C = K if fetch_cap is None else min(int(fetch_cap), K)
+    n_free = (held < 0).sum(-1, keepdim=True)
+    n_forced = (missing & forced).sum(-1, keepdim=True)
+    rank = missing.long().cumsum(-1) - 1
+    cand = missing & (rank >= torch.maximum(n_free, n_forced)) & (rank < n_free + C)
+    pos = torch.arange(K, device=ids.device).expand(B, H, K)
+    order = torch.where(cand, pos, pos + K).sort(-1).values[..., :C]          # candidates first, by position
+    return torch.where(order < K, order, -1).view(B * H, C).to(torch.int32)
+
+
 def plan_admissions(ids: torch.Tensor, last_used: torch.Tensor, rows: torch.Tensor, wanted: torch.Tensor,
-                    forced: torch.Tensor, step, fetch_cap: int | None, counted: torch.Tensor | None = None) -> Admission:
+                    forced: torch.Tensor, step, fetch_cap: int | None, counted: torch.Tensor | None = None,
+                    allow: torch.Tensor | None = None) -> Admission:
     """Decide admissions and evictions for one layer and update the block table (the torch
     reference of stage (b); paper: Methodology, Delta Selection and Capped Eviction).
 
@@ -104,19 +145,17 @@ def plan_admissions(ids: torch.Tensor, last_used: torch.Tensor, rows: torch.Tens
             device tensor (no host value needed, so the call can be captured in a CUDA graph).
         counted: ``[B]`` bool, the rows whose hits and evictions are counted (default all;
             CUDA-graph padding rows are not).
+        allow: ``[B*H]`` int, the step budget's share (``core.budget.share_budget``): at most
+            this many of the head's ``budget_candidates`` are admitted (the first ones);
+            ``None``: all of them (the cap alone).
     Returns:
         The admissions to copy in (``Admission``); the table already points at them.
         Runs without host synchronisation.
     """
-    held = ids[rows]                                            # [B, H, K]
-    B, H, K = held.shape
-    assert wanted.shape == (B, H, K), (wanted.shape, held.shape)
-    valid_w = wanted >= 0
     # one [B, H, K, K] match of wanted (rows) against held (columns) gives both directions
-    match = (wanted[..., :, None] == held[..., None, :]) & valid_w[..., :, None] & (held >= 0)[..., None, :]
-    in_held = match.any(-1)                                     # wanted block already resident (a hit)
+    held, match, in_held, missing = _missing(ids, rows, wanted)   # in_held: a hit
+    B, H, K = held.shape
     keep = match.any(-2)                                        # resident block still wanted
-    missing = valid_w & ~in_held
     free = held < 0
     evictable = (held >= 0) & ~keep
     n_free = free.sum(-1, keepdim=True)
@@ -127,6 +166,10 @@ def plan_admissions(ids: torch.Tensor, last_used: torch.Tensor, rows: torch.Tens
     else:
         # a cap of K or more is unbounded; clamped so n_free + cap cannot overflow int64
         limit = torch.maximum(n_free + min(int(fetch_cap), K), n_forced_missing)
+    if allow is not None:
+        # the budget's share of the candidates (budget_candidates: ranks from max(n_free, forced))
+        lo = torch.maximum(n_free, n_forced_missing)
+        limit = torch.minimum(limit, lo + allow.view(B, H, 1).to(limit.dtype))
     admitted = missing & (rank < limit)
     n_admit = admitted.sum(-1, keepdim=True)
     # destinations: free slots (in slot order) then evictable by LRU, then untouchable

@@ -96,6 +96,14 @@ def init_attention_backends_hook(result, model_runner, *args, **kwargs):
         ops.name, engine.predictor.name, len(engine.sparse_layers), len(cfg.dense_layers), cfg.budget_tokens, cfg.budget_blocks,
         cfg.block_size, engine.ws.R, engine.ws.nbytes / 2**20, engine.summaries.nbytes / 2**20,
         engine.host.nbytes / 2**20, engine.host.capacity_tokens)
+    if engine.budget.fraction is not None:
+        rate = engine.measure_link()
+        if rate is not None:
+            logger.info("OasisKV: transfer budget %s: admission copies measured at %.1f GB/s host to device; a step "
+                        "may admit %.2f of what the link moves during it (sized from the decode step time, "
+                        "at each OasisKV decode line)", cfg.transfer_budget, rate / 1e9, engine.budget.fraction)
+    elif engine.budget.enabled:
+        logger.info("OasisKV: transfer budget %.1f MiB per decode step", cfg.transfer_budget / 2**20)
     return result
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +31,8 @@ def format_residency(r: dict) -> str:
             f"predictor: {r['predictor']}, fallback synchronous steps: {r['sync_steps']}, "
             f"prediction check: {r.get('prediction_check', 'device')}, "
             f"decode steps: {r.get('decode_steps', 0)}, cuda graph steps: {r.get('graph_steps', 0)}, "
+            + ("" if r.get("transfer_budget_bytes", None) is None else
+               f"transfer budget: {r['transfer_budget_bytes'] / 2**20:.1f} MiB/step, ")
             + (f"exposed wait: {sum(r['exposed_wait_ms']):.3f} ms (last step, all sparse layers)"
                if r.get("exposed_wait_timed", True) else
                "exposed wait: n/a (timed on eager CUDA steps only)")
@@ -74,15 +77,17 @@ _COUNTERS = {"running": r"OasisKV decode: #running-req: (\d+)", "sparse_layers":
              "hit_rate": r"hit rate: (\d+(?:\.\d+)?)(?![\d.])", "admitted_blocks": r"admitted blocks: (\d+)",
              "evicted_blocks": r"evicted blocks: (\d+)", "h2d_mib": r"H2D: (\d+(?:\.\d+)?) MiB",
              "host_tier_mib": r"host tier: (\d+(?:\.\d+)?) MiB", "decode_steps": r"decode steps: (\d+)",
-             "graph_steps": r"cuda graph steps: (\d+)"}
+             "graph_steps": r"cuda graph steps: (\d+)",
+             "transfer_budget_mib": r"transfer budget: (\d+(?:\.\d+)?) MiB/step"}
 
 
 def parse_decode_counters(line: str) -> dict[str, float | None]:
     """The numbers of an ``OasisKV decode`` log line: ``running`` (requests of the step the line
     is about), ``sparse_layers``, ``hit_rate`` (0-1, since start-up),
     ``admitted_blocks`` / ``evicted_blocks`` (blocks, cumulative), ``h2d_mib`` (MiB copied host to
-    device, cumulative), ``host_tier_mib`` (MiB), ``decode_steps`` / ``graph_steps`` (cumulative);
-    None for a field the line lacks (an older format)."""
+    device, cumulative), ``host_tier_mib`` (MiB), ``decode_steps`` / ``graph_steps`` (cumulative),
+    ``transfer_budget_mib`` (MiB a step may admit, when a step budget is sized); None for a
+    field the line lacks (an older format, or no budget)."""
     if not isinstance(line, str):
         raise TypeError(f"parse_decode_counters: want a str log line, got {type(line).__name__}")
     out = {}
@@ -105,6 +110,7 @@ class DecodeLog:
         self.engine, self.interval, self.metrics = engine, max(1, int(interval)), metrics
         self.draft_match = draft_match
         self._logged_step = -1
+        self._mark: tuple[float, int] | None = None    # (time, decode steps) at the last line
 
     def due(self) -> bool:
         """A line is due: a decode step ran, the last one started a request's decoding or is a
@@ -117,8 +123,17 @@ class DecodeLog:
         if not self.due():
             return
         self._logged_step = self.engine.stats.decode_steps
-        r = self.engine.residency()
+        r = self.engine.residency()          # (a host sync: the steps so far are done)
+        self._observe_step_time()
         r["draft_match"] = self.draft_match() if self.draft_match is not None else None
         logger.info(format_residency(r))
         if self.metrics is not None:
             self.metrics.update(r)
+
+    def _observe_step_time(self) -> None:
+        """The decode step time since the last line (wall time over decode steps, after the
+        sync of the report) sizes a link-fraction step budget (``core.budget``)."""
+        now, steps = time.perf_counter(), self.engine.stats.decode_steps
+        if self._mark is not None and steps > self._mark[1]:
+            self.engine.budget.observe_step((now - self._mark[0]) / (steps - self._mark[1]))
+        self._mark = (now, steps)

@@ -67,7 +67,10 @@ def test_the_line_of_a_real_report_round_trips_through_both_parsers(seed):
     hits, adm = r["hit_blocks"], r["admitted_blocks"]
     assert got == {"running": 2, "sparse_layers": 2, "hit_rate": round(hits / (hits + adm), 3), "admitted_blocks": adm,
                    "evicted_blocks": r["evicted_blocks"], "h2d_mib": round(r["bytes_h2d"] / 2**20, 1),
-                   "host_tier_mib": round(r["host_tier_bytes"] / 2**20, 1), "decode_steps": 12, "graph_steps": 0}
+                   "host_tier_mib": round(r["host_tier_bytes"] / 2**20, 1), "decode_steps": 12, "graph_steps": 0,
+                   "transfer_budget_mib": None}
+    assert r["transfer_budget_bytes"] is None and "transfer budget" not in line, \
+        "'auto' on the CPU: no link was measured, the budget is unlimited"
     res = parse_residency(line)
     assert res == {"context": [42, 42], "device": r["device_working_set_tokens"], "budget": 16}
     # 3 resident blocks of 4 tokens (sink, recent, one more) and the partial last block's 2 tokens
@@ -86,7 +89,7 @@ def test_decode_counters_parse_the_line_the_backend_writes():
          "sync_steps": 0, "exposed_wait_ms": [0.0], "agreement": None, "decode_steps": 42, "graph_steps": 40}
     got = parse_decode_counters("[t] OasisKV decode: " + format_residency(r))
     assert got == {"running": 2, "sparse_layers": 28, "hit_rate": 0.75, "admitted_blocks": 100, "evicted_blocks": 7, "h2d_mib": 3.0,
-                   "host_tier_mib": 5.0, "decode_steps": 42, "graph_steps": 40}
+                   "host_tier_mib": 5.0, "decode_steps": 42, "graph_steps": 40, "transfer_budget_mib": None}
 
 
 def test_optional_fields_of_the_line(seed):
@@ -189,3 +192,30 @@ def test_garbled_numbers_are_not_read_as_figures():
         parse_decode_counters(b"OasisKV decode: hit rate: 0.5")
     with pytest.raises(ValueError, match="not an OasisKV decode line"):
         parse_residency(None)
+
+
+def test_a_sized_step_budget_is_on_the_line_and_a_fraction_follows_the_step_time(seed):
+    """A fixed budget (bytes) is on the line from the start; a link fraction is sized at each
+    line from the measured step time (here a link rate set by hand: the CPU has no link)."""
+    cfg = OasisConfig(budget_tokens=16, block_size=BS, dense_layers=(0,), predictor="previous",
+                      transfer_budget=3 * 2**20)
+    eng = OasisSparseKV(cfg, 3, 256, 5, H, D, D, torch.float32, "cpu")
+    per_layer = 3 * 2**20 // (2 * eng.block_bytes)
+    assert int(eng.budget.blocks) == per_layer and eng.budget.bytes_per_step == per_layer * 2 * eng.block_bytes
+    run = Driver(eng)
+    run.prefill([1, 2], 30)
+    run.decode([1, 2])
+    line = format_residency(eng.residency())
+    assert parse_decode_counters(line)["transfer_budget_mib"] == round(eng.budget.bytes_per_step / 2**20, 1)
+    cfg = OasisConfig(budget_tokens=16, block_size=BS, dense_layers=(0,), predictor="previous", transfer_budget=0.5)
+    eng = OasisSparseKV(cfg, 3, 256, 5, H, D, D, torch.float32, "cpu")
+    log = DecodeLog(eng, interval=1)
+    eng.budget.set_link_rate(1e9)                       # 1 GB/s
+    run = Driver(eng)
+    run.prefill([1, 2], 30)
+    for _ in range(3):
+        run.decode([1, 2])
+        log.maybe_log()
+    assert eng.budget.step_s is not None and eng.budget.step_s > 0
+    want = int(0.5 * 1e9 * eng.budget.step_s // (2 * eng.block_bytes))
+    assert int(eng.budget.blocks) == want, "0.5 x link rate x the step time measured between the lines"

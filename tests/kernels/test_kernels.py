@@ -30,7 +30,7 @@ from oasis_sglang.kernels.topk import (MAX_SELECT_K, MAX_SELECT_NB, NEG_INF_KEY3
                                       select_topk, topk_from_keys)
 from oasis_sglang.kernels.write_kv import segments, write_kv  # noqa: E402
 from oasis_sglang.kernels.append_tokens import append_tokens  # noqa: E402
-from oasis_sglang.kernels.plan_transfer import plan_transfer  # noqa: E402
+from oasis_sglang.kernels.plan_transfer import budget_candidates, plan_transfer  # noqa: E402
 from oasis_sglang.core.selection import select_blocks  # noqa: E402
 
 DEV = "cuda" if CUDA else "cpu"
@@ -346,6 +346,40 @@ def test_plan_transfer_equals_reference_exactly(seed, cap, K):
     dst, src, counts = out[1]
     assert int(state[0][2][1]) > 0 and int(state[0][2][0]) > 0
     assert (counts.view(4, H)[1] == 0).all(), "the padding row copies nothing"
+
+
+@pytest.mark.parametrize("cap", [None, 2])
+@pytest.mark.parametrize("budget", [0, 3, -1])
+def test_budgeted_plan_and_its_candidates_equal_the_reference_exactly(seed, cap, budget):
+    """The step budget (``core.budget``): 12 steps of random predictions over a shared slot table;
+    the candidate lists (kernel 6b), the shares, the block table, LRU clock, copy lists and
+    counters equal the torch reference's, with a CUDA-graph padding row in the batch."""
+    from oasis_sglang.core.budget import share_budget
+
+    R, H, K, bs, NB = 6, 3, 8, 4, 24
+    rows = torch.tensor([2, 0, 5, 3], device=DEV)
+    rtt, P = layout([NB * bs] * R, bs)
+    rtt = rtt.to(DEV)
+    state = [[torch.full((R, H, K), -1, dtype=torch.int64, device=DEV), torch.zeros((R, H, K), dtype=torch.int64, device=DEV),
+              torch.zeros(4, dtype=torch.int64, device=DEV)] for _ in range(2)]
+    seq = torch.tensor([40, 54, 33, 70], device=DEV)
+    refused = 0
+    for step in range(1, 13):
+        seq = (seq + torch.randint(0, 2, (4,), device=DEV)).clamp(max=NB * bs)
+        scores = torch.randn(4, H, NB, device=DEV)
+        wanted, forced = select_blocks(scores, (seq + bs - 1) // bs, seq // bs, K, 1, 2)
+        st = torch.tensor(step, dtype=torch.int64, device=DEV)
+        cands = [fn(state[i][0], rows, wanted, forced, cap) for i, fn in enumerate((REF.budget_candidates, budget_candidates))]
+        assert torch.equal(cands[0].cpu(), cands[1].cpu()), step
+        allow = share_budget(cands[0], torch.tensor(budget, device=DEV), st, K)
+        refused += int((cands[0] >= 0).sum()) - int(allow.sum())
+        out = [fn(ids, lru, rows, wanted, forced, st, cap, seq, rtt, bs, P, ctr, skip_row=0, allow=allow)
+               for (ids, lru, ctr), fn in zip(state, (REF.plan_transfer, plan_transfer))]
+        for a, b in zip(*out):
+            assert torch.equal(a.cpu(), b.cpu()), step
+        for a, b in zip(*state):
+            assert torch.equal(a.cpu(), b.cpu()), step
+    assert (refused > 0) == (budget >= 0), "a finite budget must refuse candidates here (random scores churn)"
 
 
 @pytest.mark.parametrize("fn", ["reference", "kernel"])

@@ -1,0 +1,128 @@
+"""The per-step transfer budget: admissions shared across requests and KV heads by score rank.
+
+Paper: Methodology, eq. 3 (``C = B_link x T_step``): what the host link can move while a decode
+step computes is the most a step should admit; more stalls the step on its transfers. A fixed
+per-head cap (``fetch_cap``) cannot say that: with few requests it wastes the link, with many
+it overruns it (bench_oasis at 4K: 158 requests x 34 layers x 8 heads x 8 blocks = 1.4 GB a
+step). Here the bytes of one step are divided evenly over the sparse layers, and a layer's
+share goes to the candidates of all its (request, KV head) pairs in the order of their score
+rank: the best missing block of every head before the second best of any (water-filling over
+the position in each head's top-K list). Ties at the last admitted rank are broken by a
+rotation with the LRU clock, so no head is always last. ``fetch_cap`` stays the per-head
+ceiling; free-slot fills and forced (sink / recent) blocks are never refused
+(``working_set.budget_candidates``).
+
+``transfer_budget`` (config): bytes per step, a fraction of what the link moves in a step
+(link rate measured at start-up x step time measured while serving), ``"auto"`` (0.8 of it),
+or ``None`` (the cap alone).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+AUTO_LINK_FRACTION = 0.8       # ``"auto"``: headroom for the step time's jitter and the write-back traffic
+UNLIMITED = -1                 # ``TransferBudget.blocks`` before a step time was measured
+
+
+def share_budget(cand_pos: torch.Tensor, budget: torch.Tensor, clock: torch.Tensor, K: int) -> torch.Tensor:
+    """Each (request, KV head)'s share of one layer's step budget, by score rank.
+
+    Args:
+        cand_pos: ``[N, C]`` int32 (``N = B * H``): per (request, KV head) its candidates'
+            positions in its top-K list, increasing, ``-1`` padded (``ops.budget_candidates``).
+        budget: 0-dim int64 device tensor, candidates this layer may admit this step (``< 0``:
+            unlimited).
+        clock: 0-dim int64 device tensor (the LRU clock): rotates the tie-break at the last rank.
+        K: the top-K list length (positions are ``0 .. K-1``).
+    Returns:
+        ``[N]`` int32: how many of its first candidates each (request, KV head) admits. Every
+        candidate at a position below the last admitted one is admitted; at that position the
+        heads are taken in (index - clock) mod N order until the budget is spent. The sum is
+        ``min(budget, candidates)``. No host sync (recordable in a CUDA graph).
+    """
+    N, C = cand_pos.shape
+    dev = cand_pos.device
+    if N == 0 or C == 0:
+        return torch.zeros(N, dtype=torch.int32, device=dev)
+    valid = cand_pos >= 0
+    pos = torch.where(valid, cand_pos.long(), K)
+    hist = torch.zeros(K + 1, dtype=torch.int64, device=dev).scatter_add_(0, pos.view(-1), torch.ones_like(pos.view(-1)))
+    cum = hist[:K].cumsum(0)                                          # candidates at positions <= p
+    b = torch.where(budget < 0, cum[-1], budget)
+    full = (cum <= b).sum()                                           # positions 0 .. full-1 fit whole
+    below = torch.where(full > 0, cum[(full - 1).clamp(min=0)], 0)
+    rest = b - below                                                  # for the heads with a candidate at `full`
+    allow = (valid & (pos < full)).sum(-1)
+    at = (valid & (pos == full)).any(-1)                             # [N]
+    idx = torch.arange(N, device=dev)
+    start = clock % N
+    at_rot = at[(idx + start) % N]                                    # heads in rotated order
+    before_rot = at_rot.long().cumsum(0) - at_rot.long()             # earlier heads at `full`
+    before = before_rot[(idx - start) % N]
+    return (allow + (at & (before < rest)).long()).to(torch.int32)
+
+
+class TransferBudget:
+    """The step budget of one engine, in blocks per sparse layer (a device scalar the graphs read).
+
+    Args:
+        setting: the config's ``transfer_budget`` (``"auto"``, bytes, a link fraction, ``None``).
+        block_bytes: bytes of one (KV head, block) piece (K and V).
+        num_layers: sparse layers (the bytes of a step are split evenly over them).
+        device: where ``blocks`` lives.
+    Attributes:
+        blocks: 0-dim int64 device tensor, candidates one layer may admit per step
+            (``UNLIMITED`` = -1 until a link rate and a step time are known, or with ``None``).
+        link_bytes_per_s: measured host-to-device rate of the admission copies (``None`` until
+            measured; CPU: never).
+        step_s: the last step time the budget was sized for (seconds), or ``None``.
+    """
+
+    def __init__(self, setting, block_bytes: int, num_layers: int, device):
+        self.setting, self.block_bytes, self.L = setting, int(block_bytes), max(1, int(num_layers))
+        self.blocks = torch.full((), UNLIMITED, dtype=torch.int64, device=device)
+        self.link_bytes_per_s: float | None = None
+        self.step_s: float | None = None
+        if isinstance(setting, int) and not isinstance(setting, bool):
+            self._set_bytes(setting)
+
+    @property
+    def enabled(self) -> bool:
+        """A budget is applied (``transfer_budget`` is not ``None``): the step plans through it."""
+        return self.setting is not None
+
+    @property
+    def fraction(self) -> float | None:
+        """The link fraction of an ``"auto"`` or fractional setting, else ``None``."""
+        if self.setting == "auto":
+            return AUTO_LINK_FRACTION
+        return self.setting if isinstance(self.setting, float) else None
+
+    @property
+    def bytes_per_step(self) -> int | None:
+        """Bytes the budget lets a step admit (all sparse layers), ``None`` when unlimited."""
+        b = int(self.blocks)
+        return None if b < 0 else b * self.L * self.block_bytes
+
+    def _set_bytes(self, nbytes: float) -> None:
+        self.blocks.fill_(max(0, int(nbytes // (self.L * self.block_bytes))))
+
+    def set_link_rate(self, bytes_per_s: float | None) -> None:
+        """The measured link rate (bytes/s; ``None`` or <= 0: unknown, the budget stays as it is)."""
+        self.link_bytes_per_s = bytes_per_s if bytes_per_s and bytes_per_s > 0 else None
+
+    def observe_step(self, step_s: float) -> None:
+        """Resize a link-fraction budget for a measured decode step time (seconds): eq. 3,
+        ``fraction x link rate x step time``. A step stalled on its transfers lasts longer than
+        its compute and buys a larger budget only by the fraction (< 1 shrinks it back), so the
+        budget settles below the compute time's worth of link. Fixed budgets ignore this."""
+        f = self.fraction
+        if f is None or self.link_bytes_per_s is None or not step_s > 0:
+            return
+        self.step_s = float(step_s)
+        self._set_bytes(f * self.link_bytes_per_s * self.step_s)
