@@ -7,11 +7,13 @@
   paged_attention.py 5. split-KV causal attention of 1-2 new tokens per request over SGLang's
                     token-major pool (the paired forward's dense layers and the draft layer)
   plan_transfer.py  6. capped-eviction plan of a layer fused with its admissions' copy lists
+                    (6b: the candidates a per-step transfer budget may refuse)
+  share_budget.py   6c. one layer's step budget shared across (request, KV head) by score rank
   append_tokens.py  7. decoded tokens into their resident slots + write-back of completed blocks
 
 ``TritonKVOps`` bundles them behind ``core.ops.BaseKVOps``; ``get_kv_ops(name)`` is the lazy
 factory over the registry ``{"torch", "triton"}`` (Triton is imported only when asked for).
-Tests: ``tests/test_kernels.py`` (CPU under ``TRITON_INTERPRET=1``; marker ``gpu`` on CUDA).
+Tests: ``tests/kernels/test_kernels.py`` (CPU under ``TRITON_INTERPRET=1``; marker ``gpu`` on CUDA).
 Speed: ``scripts/bench_kernels.py``.
 """
 

@@ -8,6 +8,7 @@ from .append_tokens import append_tokens
 from .copy_blocks import copy_blocks
 from .paged_attention import paged_attention
 from .plan_transfer import budget_candidates, plan_transfer
+from .share_budget import share_budget
 from .sparse_decode import sparse_decode_attention
 from .topk import select_topk
 from .write_kv import write_kv
@@ -54,6 +55,10 @@ class TritonKVOps(BaseKVOps):
         if ids.shape[-1] > MAX_FUSED_PLAN_K:
             return TorchKVOps.budget_candidates(self, ids, rows, wanted, forced, fetch_cap)
         return budget_candidates(ids, rows, wanted, forced, fetch_cap)
+
+    def share_budget(self, cand_pos, budget, clock, k):
+        """See :meth:`BaseKVOps.share_budget` (``kernels.share_budget``: one program)."""
+        return share_budget(cand_pos, budget, clock, k)
 
     def plan_transfer(self, ids, last_used, rows, wanted, forced, step, fetch_cap, seq, req_to_token,
                       block_size, num_pages, counters, skip_row=None, allow=None):

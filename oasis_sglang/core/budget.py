@@ -55,7 +55,8 @@ def share_budget(cand_pos: torch.Tensor, budget: torch.Tensor, clock: torch.Tens
     cum = hist[:K].cumsum(0)                                          # candidates at positions <= p
     b = torch.where(budget < 0, cum[-1], budget)
     full = (cum <= b).sum()                                           # positions 0 .. full-1 fit whole
-    below = torch.where(full > 0, cum[(full - 1).clamp(min=0)], 0)
+    # (gather, not cum[t]: indexing with a 0-dim tensor reads it on the host, a sync a graph cannot hold)
+    below = torch.where(full > 0, cum.gather(0, (full - 1).clamp(min=0).view(1)).squeeze(0), 0)
     rest = b - below                                                  # for the heads with a candidate at `full`
     allow = (valid & (pos < full)).sum(-1)
     at = (valid & (pos == full)).any(-1)                             # [N]

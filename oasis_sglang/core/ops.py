@@ -20,6 +20,7 @@ import math
 import torch
 
 from .attention import decode_attention, gather_working_set
+from .budget import share_budget
 from .selection import quest_scores, select_blocks
 from .working_set import budget_candidates, plan_admissions
 
@@ -99,6 +100,19 @@ class BaseKVOps:
             ``[B*H, C]`` int32, ``C = min(fetch_cap, K)``: the candidates' positions in each
             (request, KV head)'s top-K list, increasing, ``-1`` padded. No host sync.
         Paper: Methodology, eq. 3 (the step budget).
+        """
+        raise NotImplementedError
+
+    def share_budget(self, cand_pos, budget, clock, k: int):
+        """Each (request, KV head)'s share of one layer's step budget, by score rank
+        (``core.budget.share_budget``: arguments, result, tie-break).
+
+        Args:
+            cand_pos: ``[N, C]`` int32 from ``budget_candidates``. budget / clock: 0-dim int64
+                device tensors (candidates the layer may admit, ``< 0`` unlimited; the LRU clock).
+            k: top-K list length.
+        Returns:
+            ``[N]`` int32 shares. No host sync.
         """
         raise NotImplementedError
 
@@ -248,6 +262,10 @@ class TorchKVOps(BaseKVOps):
     def budget_candidates(self, ids, rows, wanted, forced, fetch_cap):
         """Reference: ``core.working_set.budget_candidates``."""
         return budget_candidates(ids, rows, wanted, forced, fetch_cap)
+
+    def share_budget(self, cand_pos, budget, clock, k):
+        """Reference: ``core.budget.share_budget``."""
+        return share_budget(cand_pos, budget, clock, k)
 
     def plan_transfer(self, ids, last_used, rows, wanted, forced, step, fetch_cap, seq, req_to_token,
                       block_size, num_pages, counters, skip_row=None, allow=None):

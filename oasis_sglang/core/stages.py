@@ -10,7 +10,7 @@ context is ``seq`` tokens per request:
                 evicting admissions per (request, KV head), and with a step budget
                 (``core/budget.py``) that layer's share of it, given to the candidates of all
                 (request, KV head) pairs by score rank (``ops.budget_candidates``,
-                ``share_budget``, ``ops.plan_transfer``);
+                ``ops.share_budget``, ``ops.plan_transfer``);
   (c) transfer  copy the admitted 4 KiB-class pieces from the host tier into their working-set
                 slots (``ops.copy_blocks``: the H2D gather kernel on CUDA).
 
@@ -24,7 +24,7 @@ import torch
 
 from ..config import OasisConfig
 from .bench_hooks import BenchHooks
-from .budget import TransferBudget, share_budget
+from .budget import TransferBudget
 from .host_tier import HostTier
 from .ops import BaseKVOps
 from .prediction import PredictionRecord
@@ -82,7 +82,7 @@ class PrefetchStages:
         allow = None
         if self.budget is not None and self.budget.enabled:
             cand = self.ops.budget_candidates(self.ws.ids[li], rows, wanted, forced, self.cfg.fetch_cap)
-            allow = share_budget(cand, self.budget.blocks, clock, wanted.shape[-1])
+            allow = self.ops.share_budget(cand, self.budget.blocks, clock, wanted.shape[-1])
         return self.ops.plan_transfer(self.ws.ids[li], self.ws.last_used[li], rows, wanted, forced, clock,
                                       self.cfg.fetch_cap, seq, rtt, self.cfg.block_size, self.host.num_pages,
                                       self.counters[li], skip_row=self.padding_row, allow=allow)

@@ -382,6 +382,30 @@ def test_budgeted_plan_and_its_candidates_equal_the_reference_exactly(seed, cap,
     assert (refused > 0) == (budget >= 0), "a finite budget must refuse candidates here (random scores churn)"
 
 
+@pytest.mark.parametrize("N,C,K", [(5, 3, 8), (70, 8, 128), (130, 9, 200)])
+def test_share_budget_equals_reference_exactly(seed, N, C, K):
+    """Kernel 6c against ``core.budget.share_budget``: random candidate lists (some heads empty),
+    budgets from none to all, unlimited, and clocks past N (the rotation); N above the kernel's
+    64-head tile and N*C above its 1,024-entry histogram tile exercise its loops."""
+    from oasis_sglang.core.budget import share_budget as ref
+    from oasis_sglang.kernels.share_budget import share_budget
+
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(N):
+        n = int(torch.randint(0, C + 1, (1,), generator=g))
+        rows.append(sorted(torch.randperm(K, generator=g)[:n].tolist()) + [-1] * (C - n))
+    cand = torch.tensor(rows, dtype=torch.int32).to(DEV)
+    total = int((cand >= 0).sum())
+    for budget in sorted({0, 1, total // 3, total // 2, total - 1, total, total + 3, -1}):
+        for clock in (0, 3, N + 2, 10**9 + 7):
+            b = torch.tensor(max(budget, -1), dtype=torch.int64, device=DEV)
+            c = torch.tensor(clock, dtype=torch.int64, device=DEV)
+            want, got = ref(cand, b, c, K), share_budget(cand, b, c, K)
+            assert got.dtype == torch.int32 and torch.equal(want.cpu(), got.cpu()), (budget, clock)
+            assert int(got.sum()) == (total if budget < 0 else min(budget, total))
+
+
 @pytest.mark.parametrize("fn", ["reference", "kernel"])
 def test_plan_transfer_a_huge_cap_is_unbounded(seed, fn):
     """A cap of K or more admits like no cap (n_free + cap must not overflow: 2**63 - 1 did)."""
