@@ -15,6 +15,10 @@ installed, ``agreement.png``.
 
     python scripts/measure_agreement.py --fetch-caps 1 2 4 8 unbounded [--predictors previous]
 
+``budgetN`` (e.g. ``budget2``): the step transfer budget instead (``core/budget.py``): each layer
+may admit ``N x KV heads`` evicting blocks per step, shared over its KV heads by score rank, with
+``fetch_cap`` 8 as the per-head ceiling: the same average traffic as ``fetch_cap N``.
+
 The accuracy side of the fetch-cap ablation: with a cap the working set of every (layer, KV
 head) is carried from step to step through the engine's capped eviction
 (``sparse_sim.SimConfig.fetch_cap``); ``unbounded`` carries it without a cap (same output as
@@ -110,8 +114,10 @@ def main() -> int:
             caps.append(c)
         elif c.isascii() and c.isdigit() and int(c) >= 1:
             caps.append(int(c))
+        elif c.startswith("budget") and c[6:].isascii() and c[6:].isdigit():
+            caps.append(c)
         else:
-            ap.error(f"--fetch-caps: {c!r} is not a positive integer, 'unbounded' or 'none'")
+            ap.error(f"--fetch-caps: {c!r} is not a positive integer, 'budgetN', 'unbounded' or 'none'")
     caps = list(dict.fromkeys(caps))                 # a repeated value is one run (else its NLL counts twice)
     a.budgets, a.predictors = list(dict.fromkeys(a.budgets)), list(dict.fromkeys(a.predictors))
     if a.agreement_only and caps != ["none"]:
@@ -143,9 +149,13 @@ def main() -> int:
         dense_top = dense.argmax(-1)
         count += N
         for b, p, c in runs:
-            cap = None if c == "none" else (b // a.block_size if c == "unbounded" else c)
+            step_budget = None
+            if isinstance(c, str) and c.startswith("budget"):      # N per KV head on average, cap 8 ceiling
+                cap, step_budget = 8, int(c[6:]) * model.config.num_key_value_heads
+            else:
+                cap = None if c == "none" else (b // a.block_size if c == "unbounded" else c)
             cfg = sparse_sim.SimConfig(prefix_len=a.prefix, budget_tokens=b, block_size=a.block_size, predictor=p,
-                                       fetch_cap=cap)
+                                       fetch_cap=cap, step_budget=step_budget)
             with sparse_sim.simulate(cfg):
                 lg = continuation_logits(model, ids, N)
             bar.update()

@@ -58,7 +58,8 @@ import torch
 from torch.nn.functional import scaled_dot_product_attention
 
 from ..core.selection import quest_scores, select_blocks
-from ..core.working_set import plan_admissions
+from ..core.budget import share_budget
+from ..core.working_set import budget_candidates, plan_admissions
 
 NAME = "oasis_sim"
 PREDICTORS = ("current", "previous")
@@ -93,6 +94,9 @@ class SimConfig:
         fetch_cap: evicting admissions per step and KV head (``None``: not simulated, the
             working set is the predicted top-K; ``>= budget_tokens // block_size``: unbounded,
             carried from step to step).
+        step_budget: with ``fetch_cap``: candidates a layer may admit per step over its KV heads,
+            shared by score rank (``core.budget.share_budget``; ``fetch_cap`` is the ceiling);
+            ``None``: the cap alone.
         admissions: with ``fetch_cap``: ``{sparse layer: [missing, admitted, steps x KV heads]}``
             (filled): predicted non-resident blocks and blocks admitted, summed over decode steps
             after the first and KV heads.
@@ -120,6 +124,7 @@ class SimConfig:
     predicted: dict = field(default_factory=dict)
     draft_queries: dict = field(default_factory=dict)
     fetch_cap: int | None = None
+    step_budget: int | None = None
     admissions: dict = field(default_factory=dict)
     working_sets: dict = field(default_factory=dict)
 
@@ -129,6 +134,9 @@ class SimConfig:
             raise ValueError(f"fetch_cap must be a positive integer or None, got {self.fetch_cap!r}")
         if self.fetch_cap is not None and (self.budget_tokens is None or self.record or self.pass1 is not None):
             raise ValueError("fetch_cap is simulated only in a plain sparse run (a budget, no record / pass 2)")
+        if self.step_budget is not None and (self.fetch_cap is None or isinstance(self.step_budget, bool)
+                                             or not isinstance(self.step_budget, int) or self.step_budget < 0):
+            raise ValueError(f"step_budget must be an integer >= 0 with a fetch_cap, got {self.step_budget!r}")
         if self.predictor not in PREDICTORS:
             raise ValueError(f"predictor must be one of {PREDICTORS}, got {self.predictor!r}")
         if self.budget_tokens is not None and self.budget_tokens % self.block_size:
@@ -250,7 +258,8 @@ def _carry_working_set(cfg: SimConfig, layer: int, wanted: torch.Tensor, forced:
                        pos: torch.Tensor) -> torch.Tensor:
     """The resident blocks ``[N, H, K]`` (``-1``: empty slot) at decode positions ``pos [N]``
     (consecutive) given the predicted ``wanted`` / ``forced`` ``[N, H, K]``: the layer's block
-    table is updated one step at a time by ``plan_admissions`` with ``cfg.fetch_cap``."""
+    table is updated one step at a time by ``plan_admissions`` with ``cfg.fetch_cap`` (and the
+    share of ``cfg.step_budget`` of each KV head)."""
     N, H, K = wanted.shape
     if layer not in cfg.working_sets or int(pos[0]) == cfg.prefix_len:     # a forward starts empty
         cfg.working_sets[layer] = (torch.full((1, H, K), -1, dtype=torch.int64, device=wanted.device),
@@ -261,7 +270,12 @@ def _carry_working_set(cfg: SimConfig, layer: int, wanted: torch.Tensor, forced:
     out = torch.empty_like(wanted)
     for i in range(N):
         first = bool((ids < 0).all())
-        adm = plan_admissions(ids, last_used, row, wanted[i:i + 1], forced[i:i + 1], int(pos[i]), cfg.fetch_cap)
+        allow = None
+        if cfg.step_budget is not None:
+            cand = budget_candidates(ids, row, wanted[i:i + 1], forced[i:i + 1], cfg.fetch_cap)
+            allow = share_budget(cand, torch.tensor(cfg.step_budget), pos[i].to(torch.int64), K)
+        adm = plan_admissions(ids, last_used, row, wanted[i:i + 1], forced[i:i + 1], int(pos[i]), cfg.fetch_cap,
+                              allow=allow)
         if not first:                                       # the first step fills an empty set
             acc[0] += int((wanted[i] >= 0).sum()) - int(adm.hits)
             acc[1] += int(adm.mask.sum())

@@ -135,5 +135,9 @@ class DecodeLog:
         sync of the report) sizes a link-fraction step budget (``core.budget``)."""
         now, steps = time.perf_counter(), self.engine.stats.decode_steps
         if self._mark is not None and steps > self._mark[1]:
-            self.engine.budget.observe_step((now - self._mark[0]) / (steps - self._mark[1]))
+            step_s, budget = (now - self._mark[0]) / (steps - self._mark[1]), self.engine.budget
+            # a line at a request's first decode step follows its prefill, whose time is not a
+            # decode step's: such an interval may only lower the step time, never raise it
+            if not (self.engine.stats.new_request_started and budget.step_s is not None and step_s > budget.step_s):
+                budget.observe_step(step_s)
         self._mark = (now, steps)
