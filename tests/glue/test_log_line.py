@@ -219,3 +219,34 @@ def test_a_sized_step_budget_is_on_the_line_and_a_fraction_follows_the_step_time
     assert eng.budget.step_s is not None and eng.budget.step_s > 0
     want = int(0.5 * 1e9 * eng.budget.step_s // (2 * eng.block_bytes))
     assert int(eng.budget.blocks) == want, "0.5 x link rate x the step time measured between the lines"
+
+
+def test_an_interval_spanning_a_prefill_cannot_raise_the_step_time(seed, monkeypatch):
+    """The line at a request's first decode step follows its prefill: that interval's time per
+    decode step is no decode step time, so it may only lower the sized step time."""
+    import oasis_sglang.sglang_glue.log_line as ll
+
+    cfg = OasisConfig(budget_tokens=16, block_size=BS, dense_layers=(0,), predictor="previous", transfer_budget=0.5)
+    eng = OasisSparseKV(cfg, 3, 256, 5, H, D, D, torch.float32, "cpu")
+    eng.budget.set_link_rate(1e9)
+    log = DecodeLog(eng, interval=1)
+    clock = [100.0]
+    monkeypatch.setattr(ll.time, "perf_counter", lambda: clock[0])
+    run = Driver(eng)
+    run.prefill([1, 2], 30)
+
+    def step(seconds, new_request=False):
+        clock[0] += seconds
+        run.decode([1, 2])
+        eng.stats.new_request_started = new_request
+        log.maybe_log()
+
+    step(0.0)                                   # the first line only marks the time
+    step(0.010)
+    assert eng.budget.step_s == pytest.approx(0.010)
+    step(5.0, new_request=True)                 # an interval with a prefill in it
+    assert eng.budget.step_s == pytest.approx(0.010), "a prefill's time is not a decode step's"
+    step(0.004, new_request=True)
+    assert eng.budget.step_s == pytest.approx(0.004), "lower is taken (the prefill only inflates)"
+    step(0.020)
+    assert eng.budget.step_s == pytest.approx(0.020), "a plain interval moves it either way"
