@@ -13,8 +13,8 @@ ceiling; free-slot fills and forced (sink / recent) blocks are never refused
 (``working_set.budget_candidates``).
 
 ``transfer_budget`` (config): bytes per step, a fraction of what the link moves in a step
-(link rate measured at start-up x step time measured while serving), ``"auto"`` (0.8 of it),
-or ``None`` (the cap alone).
+(link rate measured at start-up x the step's compute time, estimated while serving as the step
+time less the copies' link time), ``"auto"`` (0.8 of it), or ``None`` (the cap alone).
 """
 
 from __future__ import annotations
@@ -117,13 +117,26 @@ class TransferBudget:
         """The measured link rate (bytes/s; ``None`` or <= 0: unknown, the budget stays as it is)."""
         self.link_bytes_per_s = bytes_per_s if bytes_per_s and bytes_per_s > 0 else None
 
-    def observe_step(self, step_s: float) -> None:
-        """Resize a link-fraction budget for a measured decode step time (seconds): eq. 3,
-        ``fraction x link rate x step time``. A step stalled on its transfers lasts longer than
-        its compute and buys a larger budget only by the fraction (< 1 shrinks it back), so the
-        budget settles below the compute time's worth of link. Fixed budgets ignore this."""
-        f = self.fraction
-        if f is None or self.link_bytes_per_s is None or not step_s > 0:
+    def observe_step(self, step_s: float, copied_bytes: float | None = None) -> None:
+        """Resize a link-fraction budget for a measured decode step (eq. 3 on the compute time).
+
+        Args:
+            step_s: the decode step time (seconds).
+            copied_bytes: bytes the admissions copied per step over the same steps (``None``:
+                not known, taken as 0).
+
+        The step time contains whatever part of the copies the compute did not hide, so eq. 3
+        is applied to ``step - copied / rate`` (the step as if every copy had been exposed;
+        at least a quarter of the step): budget = fraction x rate x that. With a step of
+        ``compute + a x copied / rate`` (``a`` the exposed share, 0..1) the budget settles at
+        ``fraction x rate x compute / (1 + fraction x (1 - a))``, below what the link moves
+        during the compute for every ``a``; sized on the whole step time instead it settled
+        above it (``/ (1 - fraction x a)``; the 16K run of 2026-12-03 sat at the cap's traffic
+        with 30% of the step exposed). Fixed budgets ignore this.
+        """
+        f, rate = self.fraction, self.link_bytes_per_s
+        if f is None or rate is None or not step_s > 0:
             return
+        copied = copied_bytes if copied_bytes is not None and copied_bytes > 0 else 0.0
         self.step_s = float(step_s)
-        self._set_bytes(f * self.link_bytes_per_s * self.step_s)
+        self._set_bytes(f * rate * max(self.step_s - copied / rate, 0.25 * self.step_s))

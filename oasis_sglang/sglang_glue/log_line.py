@@ -110,7 +110,7 @@ class DecodeLog:
         self.engine, self.interval, self.metrics = engine, max(1, int(interval)), metrics
         self.draft_match = draft_match
         self._logged_step = -1
-        self._mark: tuple[float, int] | None = None    # (time, decode steps) at the last line
+        self._mark: tuple[float, int, int] | None = None    # (time, decode steps, admitted blocks) at the last line
 
     def due(self) -> bool:
         """A line is due: a decode step ran, the last one started a request's decoding or is a
@@ -124,20 +124,23 @@ class DecodeLog:
             return
         self._logged_step = self.engine.stats.decode_steps
         r = self.engine.residency()          # (a host sync: the steps so far are done)
-        self._observe_step_time()
+        self._observe_step_time(r["admitted_blocks"])
         r["draft_match"] = self.draft_match() if self.draft_match is not None else None
         logger.info(format_residency(r))
         if self.metrics is not None:
             self.metrics.update(r)
 
-    def _observe_step_time(self) -> None:
-        """The decode step time since the last line (wall time over decode steps, after the
-        sync of the report) sizes a link-fraction step budget (``core.budget``)."""
+    def _observe_step_time(self, admitted_blocks: int) -> None:
+        """The decode step time and the bytes admitted per step since the last line (wall time
+        and counters over decode steps, after the sync of the report) size a link-fraction step
+        budget (``core.budget.TransferBudget.observe_step``)."""
         now, steps = time.perf_counter(), self.engine.stats.decode_steps
         if self._mark is not None and steps > self._mark[1]:
-            step_s, budget = (now - self._mark[0]) / (steps - self._mark[1]), self.engine.budget
+            n = steps - self._mark[1]
+            step_s, budget = (now - self._mark[0]) / n, self.engine.budget
+            copied = max(0, admitted_blocks - self._mark[2]) * self.engine.block_bytes / n
             # a line at a request's first decode step follows its prefill, whose time is not a
             # decode step's: such an interval may only lower the step time, never raise it
             if not (self.engine.stats.new_request_started and budget.step_s is not None and step_s > budget.step_s):
-                budget.observe_step(step_s)
-        self._mark = (now, steps)
+                budget.observe_step(step_s, copied)
+        self._mark = (now, steps, admitted_blocks)

@@ -167,7 +167,28 @@ def test_the_budget_object_sizes_blocks_per_layer():
     assert int(tb.blocks) == -1, "no link rate yet: unlimited"
     tb.set_link_rate(1e9)
     tb.observe_step(0.01)
-    assert int(tb.blocks) == int(AUTO_LINK_FRACTION * 1e9 * 0.01 // 400)
+    assert int(tb.blocks) == int(AUTO_LINK_FRACTION * 1e9 * 0.01 // 400), "no copies: the whole step"
+    tb.observe_step(0.01, copied_bytes=4e6)                 # 4 ms of the 10 ms step on the link
+    assert int(tb.blocks) == int(AUTO_LINK_FRACTION * 1e9 * 0.006 // 400), "sized on the step less its copies"
+    tb.observe_step(0.01, copied_bytes=9e6)
+    assert int(tb.blocks) == int(AUTO_LINK_FRACTION * 1e9 * 0.0025 // 400), "at least a quarter of the step"
     tb.observe_step(float("nan"))
     assert tb.step_s == 0.01, "a bad step time is ignored"
+
+
+@pytest.mark.parametrize("exposed", [0.0, 0.4, 1.0])
+def test_the_sized_budget_settles_below_the_links_share_of_the_compute(exposed):
+    """A step of ``compute + exposed x copies / rate`` fed back into ``observe_step`` converges
+    to ``f x rate x compute / (1 + f (1 - exposed))`` < rate x compute, whatever the exposure."""
+    rate, compute, bb, L = 50e9, 0.014, 4096, 34
+    tb = TransferBudget("auto", block_bytes=bb, num_layers=L, device="cpu")
+    tb.set_link_rate(rate)
+    copied = 2e9                                             # a first step far over the link
+    for _ in range(60):
+        step = compute + exposed * copied / rate
+        tb.observe_step(step, copied)
+        copied = tb.bytes_per_step
+    f = AUTO_LINK_FRACTION
+    want = f * rate * compute / (1 + f * (1 - exposed))
+    assert copied == pytest.approx(want, rel=0.01) and copied < rate * compute
     assert not TransferBudget(None, 100, 4, "cpu").enabled

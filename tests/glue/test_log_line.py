@@ -216,9 +216,11 @@ def test_a_sized_step_budget_is_on_the_line_and_a_fraction_follows_the_step_time
     for _ in range(3):
         run.decode([1, 2])
         log.maybe_log()
-    assert eng.budget.step_s is not None and eng.budget.step_s > 0
-    want = int(0.5 * 1e9 * eng.budget.step_s // (2 * eng.block_bytes))
-    assert int(eng.budget.blocks) == want, "0.5 x link rate x the step time measured between the lines"
+    st = eng.budget.step_s
+    assert st is not None and st > 0
+    hi, lo = (int(0.5 * 1e9 * st * share // (2 * eng.block_bytes)) for share in (1.0, 0.25))
+    assert lo <= int(eng.budget.blocks) <= hi, \
+        "0.5 x link rate x (the step time measured between the lines less its copies' link time)"
 
 
 def test_an_interval_spanning_a_prefill_cannot_raise_the_step_time(seed, monkeypatch):
