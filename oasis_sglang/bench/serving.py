@@ -20,7 +20,9 @@ one after the other on the same GPU. ``python -m sglang.bench_serving`` sends th
   time and the admitted pieces per (request, sparse layer, KV head) per step, all from the steps
   at the most running (``oasis_figures``), hit rate, decode steps replayed from CUDA graphs.
 
-Suites (``all`` runs the five issue-5 measurements; ``plan()`` says exactly what each runs):
+Suites (``all``: throughput, concurrency, context, short, stall; ``plan()`` says exactly what
+each runs). The throughput / context runs of one system share one server (``server_groups``;
+``--separate-servers`` starts one per run):
   throughput   dense with the KV pool of an 80 GB GPU (``--mem-fraction-static 0.475``: 22
                requests of 16K) vs oasis with a host tier of ``--host-gib`` GiB, at 16K and 32K
   concurrency  the most requests each of those keeps running at once
@@ -106,7 +108,9 @@ def host_requests_for(ctx: int, host_gib: float) -> int:
 
 
 def plan(suite: str, a) -> list[Run]:
-    """The runs of ``suite`` (``all`` = the five issue-5 measurements, in this order).
+    """The runs of ``suite`` (``all`` = throughput, concurrency, context, short and stall, in this
+    order; the fetch-cap ablation, four more servers, is its own suite since the step budget
+    made the cap a ceiling: ``all`` has to fit one device session).
 
     throughput   dense (80 GB pool) vs oasis (host tier of ``--host-gib``) at 16K and 32K input
     concurrency  the same runs' "most running": what each system keeps running at once at 16K
@@ -133,7 +137,7 @@ def plan(suite: str, a) -> list[Run]:
 
     if suite in ("throughput", "concurrency", "all"):
         long_runs(a.input_lens or [16384, 32768], "throughput")
-    if suite in ("fetch-cap", "all"):
+    if suite == "fetch-cap":
         n = 16384
         hr = host_requests_for(n + o + 64, a.host_gib)
         for c in a.fetch_caps:
@@ -153,8 +157,7 @@ def plan(suite: str, a) -> list[Run]:
         for sy in a.systems or ["oasis", "oasis-eagle3", "dense", "dense-eagle3"]:
             out.append(Run(f"paired/{a.input_len}/{sy}", sy, a.input_len, o, a.batch, "exact",
                            None if sy.startswith("dense") else cap))
-    if suite == "all":       # the context sweep repeats the throughput runs at 16K and 32K, the
-        #                      fetch-cap suite the 16K oasis run at the default cap: measure once
+    if suite == "all":       # the context sweep repeats the throughput runs at 16K and 32K: measure once
         seen, uniq = {}, []
         for r in out:
             k = (r.system, r.input_len, r.output_len, r.batch, r.pool, r.fetch_cap)
@@ -333,28 +336,78 @@ def profile_steady_decode(srv, tag: str, steps: int, tdir: Path, done, timeout: 
         time.sleep(0.5)
 
 
-def run_one(run: Run, a, out: Path) -> dict:
-    """Start the server of ``run``, benchmark it, stop it; its figures (``error`` when it failed).
+SHARED_SUITES = ("throughput", "context")   # long runs: one server per system serves every context
 
+
+def server_groups(runs: list[Run], share: bool = True) -> list[list[Run]]:
+    """The runs one server can serve one after the other (``share``): the throughput / context
+    runs of one system, pool and fetch cap (the 4K .. 32K points differ only in prompt length
+    and count); every other run alone. Groups keep the plan's order of their first run.
+
+    A server start is most of a run (the 96 GiB host tier is pinned in 101-127 s, then graphs
+    are captured); sharing one per system is what fits the whole suite in a device session."""
+    groups, index = [], {}
+    for r in runs:
+        k = (r.system, r.pool, r.fetch_cap) if share and r.key.split("/")[0] in SHARED_SUITES else ("alone", r.key)
+        if k in index:
+            groups[index[k]].append(r)
+        else:
+            index[k] = len(groups)
+            groups.append([r])
+    return groups
+
+
+def group_args(group: list[Run], a) -> list[str]:
+    """Server flags that serve every run of ``group``: the flags of its longest context with the
+    most requests any run sends, the graphs for that batch and the largest token pool (host
+    tier) any run needs."""
+    longest = max(group, key=lambda r: r.input_len)
+    args = system_args(longest, a)
+    sets = {"--max-running-requests": max(r.batch for r in group),
+            "--cuda-graph-max-bs": max(max(8, r.batch) for r in group),
+            "--max-total-tokens": max((r.host_requests or r.batch) * (r.input_len + r.output_len + 64) for r in group)}
+    for flag, val in sets.items():
+        if flag in args:
+            args[args.index(flag) + 1] = str(val)
+    return args
+
+
+def start_server(args: list[str], log_path: Path, a, ablate: bool = False):
+    """``sglang serve`` with ``args`` (``OASIS_ABLATE=no-transfer`` when ``ablate``); the
+    ``testing.launch.Server``. Raises what the launch raises."""
+    try:
+        if ablate:
+            os.environ["OASIS_ABLATE"] = "no-transfer"        # read by the server's OasisKV engine
+        return launch(os.environ["M"], 0, args, log_path, timeout=a.timeout, echo=False)
+    finally:
+        if ablate:
+            os.environ.pop("OASIS_ABLATE", None)
+
+
+def run_one(run: Run, a, out: Path, srv=None) -> dict:
+    """Benchmark ``run``; its figures (``error`` when it failed).
+
+    Without ``srv`` the run starts its own server and stops it after; with ``srv`` (a shared
+    server, ``server_groups``) it reads only the log written from now on and leaves it running.
     With ``--profile-steps N`` a thread profiles ``N`` steady decode steps meanwhile (result
     field ``profile``, table ``profile_<run>.md``)."""
-    log_path = out / f"server_{run.key.replace('/', '_')}.log"
     base = {"key": run.key, "system": run.system, "input_len": run.input_len, "output_len": run.output_len,
             "batch": run.batch, "pool": run.pool, "fetch_cap": run.fetch_cap, "host_requests": run.host_requests,
             "date": time.strftime("%Y-%m-%d %H:%M")}
     t0 = time.time()
-    ablate = run.system == "oasis-no-transfer"
+    own = srv is None
+    if own:
+        try:
+            srv = start_server(system_args(run, a), out / f"server_{run.key.replace('/', '_')}.log", a,
+                               ablate=run.system == "oasis-no-transfer")
+        except Exception as e:  # noqa: BLE001 - report and go on with the next run
+            return {**base, "error": f"start failed: {e.__class__.__name__}: {str(e)[:300]}"}
+        base["start_s"] = round(time.time() - t0, 1)
+    else:
+        base["shared_server"] = True
+    offset = len(srv.log())
     try:
-        if ablate:
-            os.environ["OASIS_ABLATE"] = "no-transfer"        # read by the server's OasisKV engine
-        srv = launch(os.environ["M"], 0, system_args(run, a), log_path, timeout=a.timeout, echo=False)
-    except Exception as e:  # noqa: BLE001 - report and go on with the next run
-        return {**base, "error": f"start failed: {e.__class__.__name__}: {str(e)[:300]}"}
-    finally:
-        if ablate:
-            os.environ.pop("OASIS_ABLATE", None)
-    try:
-        res = {**base, "start_s": round(time.time() - t0, 1)}
+        res = dict(base)
         prof, done = {}, None
         if a.profile_steps:
             import threading
@@ -381,21 +434,23 @@ def run_one(run: Run, a, out: Path) -> dict:
                         profile_trace.markdown(prof, f"{run.key}, {prof['running']} running") + "\n")
                 except Exception as e:  # noqa: BLE001 - the benchmark's figures stand without the profile
                     res["profile"] = {"error": f"{e.__class__.__name__}: {str(e)[:200]}"}
-        lines = [(int(n), float(g)) for n, g in DECODE.findall(srv.log())]
+        log = srv.log()[offset:]
+        lines = [(int(n), float(g)) for n, g in DECODE.findall(log)]
         top = max((n for n, _ in lines), default=0)       # prefills stagger arrivals: not always --batch
         full = [g for n, g in lines if n == top][1:] or [g for n, g in lines if n == top]   # first: since the prefill
         res["max_running"] = top
         res["decode_lines_at_max_running"] = len(full)
         res["decode_tok_s"] = statistics.median(full) if full else None
         res["step_ms"] = 1e3 * top / res["decode_tok_s"] if res["decode_tok_s"] else None
-        ol = srv.residency_lines()
+        ol = [l for l in log.splitlines() if "OasisKV decode:" in l]
         res["oasis_line"] = ol[-1].split("OasisKV decode: ", 1)[-1] if ol else None
         res.update(oasis_figures(ol, res["step_ms"], top, kv_heads_of(os.environ["M"])))
         return res
     except Exception as e:  # noqa: BLE001
         return {**base, "error": f"{e.__class__.__name__}: {str(e)[:500]}"}
     finally:
-        srv.stop()
+        if own:
+            srv.stop()
 
 
 def _f(x, p=1):
@@ -608,6 +663,9 @@ def main() -> int:
     ap.add_argument("--predictor", default="previous", choices=["previous", "lookahead", "current"],
                     help="oasis predictor (previous: the asynchronous pipeline without a draft model)")
     ap.add_argument("--eager", action="store_true", help="oasis without CUDA graphs")
+    ap.add_argument("--separate-servers", action="store_true",
+                    help="one server per run (default: the throughput / context runs of a system share one server, "
+                         "started for the longest context and the most requests; server_groups)")
     ap.add_argument("--deadline", type=float, default=None,
                     help="seconds after start-up past which no new run starts: a run starts only if its estimate "
                          "still fits (the last run of its system and length in this call, else that system's last "
@@ -682,24 +740,12 @@ def main() -> int:
             todo.append(r)
         pending = False
         took: dict[tuple, float] = {}        # (system, input_len) -> seconds of its last run in this call
-        for run in tqdm(todo, desc=f"bench_oasis {a.suite}", file=sys.stderr):
-            est = took.get((run.system, run.input_len))
-            if est is None:        # scale the last run of the system by context (prefill and KV grow with it)
-                same = [(n, t) for (sy, n), t in took.items() if sy == run.system]
-                est = max(t * max(1.0, run.input_len / n) for n, t in same) if same else a.run_estimate
-            if a.deadline is not None and time.time() - T0 + est > a.deadline:
-                left = [r.key for r in todo[todo.index(run):]]
-                print(f"bench_oasis: --deadline {a.deadline:.0f} s: {len(left)} runs left for --resume: {left}",
-                      file=sys.stderr)
-                pending = True
-                break
-            t_run = time.time()
-            res = run_one(run, a, out)
-            if "error" not in res:
-                took[(run.system, run.input_len)] = time.time() - t_run
-                res["run_s"] = round(took[(run.system, run.input_len)], 1)
+        bar = tqdm(total=len(todo), desc=f"bench_oasis {a.suite}", file=sys.stderr)
+
+        def record(res: dict) -> None:
+            nonlocal results
             print(json.dumps(res), file=sys.stderr, flush=True)
-            results = [r for r in results if r["key"] != run.key] + [res]
+            results = [r for r in results if r["key"] != res["key"]] + [res]
             # written after every run: a call cut short keeps what it measured (--resume goes on)
             jpath.write_text(json.dumps({"args": vars(a), "results": results}, indent=1))
             (out / "bench_oasis.md").write_text(tables(results, a) + "\n")
@@ -708,6 +754,46 @@ def main() -> int:
                 Path(mirror).mkdir(parents=True, exist_ok=True)
                 for f in ("bench_oasis.json", "bench_oasis.md"):
                     (Path(mirror) / f).write_bytes((out / f).read_bytes())
+            bar.update()
+
+        for group in server_groups(todo, share=not a.separate_servers):
+            srv = None
+            for i, run in enumerate(group):
+                est = took.get((run.system, run.input_len))
+                if est is None:    # scale the last run of the system by context (prefill and KV grow with it)
+                    same = [(n, t) for (sy, n), t in took.items() if sy == run.system]
+                    est = max(t * max(1.0, run.input_len / n) for n, t in same) if same else a.run_estimate
+                if a.deadline is not None and time.time() - T0 + est > a.deadline:
+                    left = [r.key for r in todo[todo.index(run):]]
+                    print(f"bench_oasis: --deadline {a.deadline:.0f} s: {len(left)} runs left for --resume: {left}",
+                          file=sys.stderr)
+                    pending = True
+                    break
+                t_run = time.time()
+                if len(group) > 1 and srv is None:
+                    name = f"server_{run.system}_{run.pool}_shared.log"
+                    try:
+                        srv = start_server(group_args(group, a), out / name, a, ablate=run.system == "oasis-no-transfer")
+                    except Exception as e:  # noqa: BLE001 - every run of the group failed to start
+                        err = f"start failed: {e.__class__.__name__}: {str(e)[:300]}"
+                        for r in group[i:]:
+                            record({f: getattr(r, f) for f in RUN_FIELDS} | {"key": r.key, "error": err,
+                                                                             "date": time.strftime("%Y-%m-%d %H:%M")})
+                        break
+                    start_s = round(time.time() - t_run, 1)
+                    res = run_one(run, a, out, srv=srv)
+                    res["start_s"] = start_s           # the shared server's start, counted on its first run
+                else:
+                    res = run_one(run, a, out, srv=srv)
+                if "error" not in res:
+                    took[(run.system, run.input_len)] = time.time() - t_run
+                    res["run_s"] = round(took[(run.system, run.input_len)], 1)
+                record(res)
+            if srv is not None:
+                srv.stop()
+            if pending:
+                break
+        bar.close()
     md = tables(results, a)
     (out / "bench_oasis.md").write_text(md + "\n")
     for p in plots(results, out):

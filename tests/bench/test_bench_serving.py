@@ -24,13 +24,14 @@ def _args(bench, *argv):
                            predictor="previous", eager=False)
 
 
-def test_all_plans_the_five_measurements_once(bench):
+def test_all_plans_the_measurements_once(bench):
     a = _args(bench)
     keys = [r.key for r in bench.plan("all", a)]
     assert len(keys) == len(set(keys))
-    for prefix in ("throughput/16384/", "throughput/32768/", "fetch-cap/", "context/4096/", "context/8192/",
-                   "short/1024/"):
+    for prefix in ("throughput/16384/", "throughput/32768/", "context/4096/", "context/8192/",
+                   "short/1024/", "stall/16384/"):
         assert any(k.startswith(prefix) for k in keys), prefix
+    assert not any(k.startswith("fetch-cap/") for k in keys), "the fetch-cap ablation is its own suite"
     assert not any(k.startswith("context/16384") for k in keys), "the 16K point is the throughput run"
     runs = {r.key: r for r in bench.plan("all", a)}
     d, o = runs["throughput/16384/dense"], runs["throughput/16384/oasis"]
@@ -101,19 +102,97 @@ def test_tables_compare_oasis_with_dense_of_the_same_run(bench):
     assert "fetch-cap/4 | failed: start failed: boom" in md
 
 
-def test_fetch_cap_at_the_default_is_the_throughput_run(bench):
+def test_oasis_runs_name_their_fetch_cap(bench):
     from oasis_sglang.config import OasisConfig
 
     a = _args(bench)
-    runs = bench.plan("all", a)
-    keys = [r.key for r in runs]
     default = OasisConfig().fetch_cap
-    assert f"fetch-cap/{default}" not in keys and "fetch-cap/1" in keys and "fetch-cap/16" in keys
-    o = {r.key: r for r in runs}["throughput/16384/oasis"]
+    o = {r.key: r for r in bench.plan("all", a)}["throughput/16384/oasis"]
     assert o.fetch_cap == default
     assert f'"fetch_cap": {default}' in " ".join(bench.system_args(o, a)), "the run names its cap"
-    # the fetch-cap suite alone still measures the default cap itself
-    assert f"fetch-cap/{default}" in [r.key for r in bench.plan("fetch-cap", a)]
+    assert [r.key for r in bench.plan("fetch-cap", a)] == [f"fetch-cap/{c}" for c in (1, 2, 4, 8, 16)]
+
+
+def test_the_long_runs_of_a_system_share_one_server_sized_for_all_of_them(bench):
+    a = _args(bench)
+    runs = bench.plan("all", a)
+    groups = bench.server_groups(runs)
+    keys = [[r.key for r in g] for g in groups]
+    assert keys[0] == ["throughput/16384/dense", "throughput/32768/dense", "context/4096/dense", "context/8192/dense"]
+    assert keys[1] == ["throughput/16384/oasis", "throughput/32768/oasis", "context/4096/oasis", "context/8192/oasis"]
+    assert keys[2:] == [["short/1024/dense"], ["short/1024/oasis"], ["stall/16384/oasis-no-transfer"]], \
+        "other pools, and the ablation's environment, get a server each"
+    assert sum(len(g) for g in groups) == len(runs)
+    assert [len(g) for g in bench.server_groups(runs, share=False)] == [1] * len(runs)
+    oasis = groups[1]
+    args = bench.group_args(oasis, a)
+    val = lambda flag: int(args[args.index(flag) + 1])  # noqa: E731
+    assert val("--context-length") == 32768 + 256 + 64, "the longest context"
+    assert val("--max-running-requests") == max(r.batch for r in oasis) == oasis[2].batch, "the 4K run's count"
+    assert val("--cuda-graph-max-bs") == oasis[2].batch
+    assert val("--max-total-tokens") == max(r.host_requests * (r.input_len + 320) for r in oasis)
+    for r in oasis:
+        assert val("--max-total-tokens") >= r.host_requests * (r.input_len + 320), r.key
+        alone = bench.system_args(r, a)
+        assert [x for x in alone if x.startswith("{")] == [x for x in args if x.startswith("{")], "the same config"
+    dense = bench.group_args(groups[0], a)
+    assert "--mem-fraction-static" in dense and "--max-total-tokens" not in dense, "dense keeps the 80 GB pool"
+
+
+class _FakeServer:
+    """What run_one reads of a server: its log (growing) and stop()."""
+
+    def __init__(self):
+        self.text, self.stopped, self.url = "warm-up\n", False, "http://127.0.0.1:1"
+
+    def log(self):
+        return self.text
+
+    def stop(self):
+        self.stopped = True
+
+
+def test_a_shared_server_serves_its_runs_and_each_reads_only_its_own_log(bench, monkeypatch, tmp_path):
+    """run_one on a shared server: the figures come from the log written during that run only."""
+    started = []
+
+    def fake_start(args, log_path, a, ablate=False):
+        started.append((log_path.name, args))
+        return _FakeServer()
+
+    def fake_bench(url, run, out, timeout):
+        srv = started_srv[0]
+        n, tok = run.batch, {4096: 4000.0, 8192: 2000.0, 16384: 1000.0, 32768: 500.0}[run.input_len]
+        line = "[x] Decode batch, #running-req: {}, gen throughput (token/s): {}\n"
+        srv.text += line.format(n, 1.0) + line.format(n, tok) * 3
+        return {"output_tok_s": 1.0}
+
+    started_srv = []
+    monkeypatch.setattr(bench, "start_server", lambda *x, **k: started_srv.append(fake_start(*x, **k)) or started_srv[-1])
+    monkeypatch.setattr(bench, "bench_serving", fake_bench)
+    monkeypatch.setenv("M", str(Path(__file__).parent))
+    monkeypatch.setattr(bench, "kv_heads_of", lambda m: 8)
+    assert _main(bench, monkeypatch, "--suite", "context", "--systems", "dense", "--out", str(tmp_path)) == 0
+    assert len(started) == 1 and started[0][0] == "server_dense_80gb_shared.log"
+    import json
+
+    rows = {r["key"]: r for r in json.loads((tmp_path / "bench_oasis.json").read_text())["results"]}
+    assert {k: r["decode_tok_s"] for k, r in rows.items()} == {
+        "context/4096/dense": 4000.0, "context/8192/dense": 2000.0, "context/16384/dense": 1000.0,
+        "context/32768/dense": 500.0}, "each run's median of its own lines"
+    assert rows["context/4096/dense"]["start_s"] is not None and all(r["shared_server"] for r in rows.values())
+    assert started_srv[0].stopped
+
+
+def test_a_shared_server_that_fails_to_start_fails_each_of_its_runs(bench, monkeypatch, tmp_path):
+    def boom(*x, **k):
+        raise RuntimeError("no GPU")
+
+    monkeypatch.setattr(bench, "start_server", boom)
+    monkeypatch.setenv("M", str(Path(__file__).parent))
+    assert _main(bench, monkeypatch, "--suite", "context", "--systems", "dense", "--out", str(tmp_path)) == 1
+    md = (tmp_path / "bench_oasis.md").read_text()
+    assert md.count("start failed: RuntimeError: no GPU") == 4
 
 
 def test_shared_runs_appear_in_the_fetch_cap_and_context_tables(bench):
@@ -142,7 +221,7 @@ def _fake_runs(bench, monkeypatch, fail=(), seconds=0.0):
 
     calls = []
 
-    def fake(run, a, out):
+    def fake(run, a, out, srv=None):
         calls.append(run.key)
         _t.sleep(seconds)
         base = {f: getattr(run, f) for f in bench.RUN_FIELDS} | {"key": run.key}
@@ -151,6 +230,7 @@ def _fake_runs(bench, monkeypatch, fail=(), seconds=0.0):
         return base | {"decode_tok_s": 100.0, "max_running": run.batch}
 
     monkeypatch.setattr(bench, "run_one", fake)
+    monkeypatch.setattr(bench, "start_server", lambda *x, **k: _FakeServer())   # shared servers: faked too
     monkeypatch.setenv("M", str(Path(__file__).parent))     # a folder: the runs are faked
     return calls
 
