@@ -135,6 +135,7 @@ def main() -> int:
     docs = windows(tok, T, a.docs)
     runs = [(b, p, c) for b in a.budgets for p in a.predictors for c in caps]
     adm = {r: [0, 0, 0] for r in runs}
+    adm_layer = {r: {} for r in runs}            # run -> {sparse layer: [missing, steps x KV heads]}
     nll = {r: 0.0 for r in runs}
     top1 = {r: 0 for r in runs}
     nll_dense, count = 0.0, 0
@@ -161,10 +162,13 @@ def main() -> int:
             bar.update()
             nll[(b, p, c)] += float(torch.nn.functional.cross_entropy(lg, target, reduction="sum"))
             top1[(b, p, c)] += int((lg.argmax(-1) == dense_top).sum())
-            for m, ad, n in cfg.admissions.values():
+            for layer, (m, ad, n) in cfg.admissions.items():
                 adm[(b, p, c)][0] += m
                 adm[(b, p, c)][1] += ad
                 adm[(b, p, c)][2] += n
+                acc = adm_layer[(b, p, c)].setdefault(layer, [0, 0])
+                acc[0] += m
+                acc[1] += n
             if p == a.predictors[0] and c == caps[0]:
                 for layer, (s, n) in cfg.agreement.items():
                     acc = agree[b].setdefault(layer, [0.0, 0])
@@ -187,7 +191,10 @@ def main() -> int:
         per = (m / n, ad / n) if n else (None, None)
         res["runs"].append({"budget": b, "predictor": p, "fetch_cap": c, "ppl": ppl, "ratio": ppl / ppl_dense,
                             "top1": top1[(b, p, c)] / count, "missing_per_step_head": per[0],
-                            "admitted_per_step_head": per[1]})
+                            "admitted_per_step_head": per[1],
+                            # per sparse layer: the churn profile bench_oasis --churn replays (core/churn.py)
+                            "missing_by_layer": {str(l): m / n for l, (m, n) in sorted(adm_layer[(b, p, c)].items())
+                                                 if n}})
         f = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
         lines.append(f"| {b} | {p} | {c} | {ppl:.4f} | {ppl / ppl_dense:.4f} | {top1[(b, p, c)] / count:.4f} | "
                      f"{f(per[0])} | {f(per[1])} |")

@@ -95,6 +95,7 @@ class Run:
     pool: str = "exact"
     fetch_cap: int | None = None
     host_requests: int | None = None
+    churn: str | None = None          # oasis: a churn profile replayed (OASIS_CHURN, core/churn.py)
 
 
 def host_requests_for(ctx: int, host_gib: float) -> int:
@@ -157,10 +158,14 @@ def plan(suite: str, a) -> list[Run]:
         for sy in a.systems or ["oasis", "oasis-eagle3", "dense", "dense-eagle3"]:
             out.append(Run(f"paired/{a.input_len}/{sy}", sy, a.input_len, o, a.batch, "exact",
                            None if sy.startswith("dense") else cap))
+    if getattr(a, "churn", None):
+        import dataclasses
+
+        out = [dataclasses.replace(r, churn=str(a.churn)) if r.system.startswith("oasis") else r for r in out]
     if suite == "all":       # the context sweep repeats the throughput runs at 16K and 32K: measure once
         seen, uniq = {}, []
         for r in out:
-            k = (r.system, r.input_len, r.output_len, r.batch, r.pool, r.fetch_cap)
+            k = (r.system, r.input_len, r.output_len, r.batch, r.pool, r.fetch_cap, r.churn)
             if k not in seen:
                 seen[k] = r
                 uniq.append(r)
@@ -348,7 +353,8 @@ def server_groups(runs: list[Run], share: bool = True) -> list[list[Run]]:
     are captured); sharing one per system is what fits the whole suite in a device session."""
     groups, index = [], {}
     for r in runs:
-        k = (r.system, r.pool, r.fetch_cap) if share and r.key.split("/")[0] in SHARED_SUITES else ("alone", r.key)
+        k = (r.system, r.pool, r.fetch_cap, r.churn) if share and r.key.split("/")[0] in SHARED_SUITES \
+            else ("alone", r.key)
         if k in index:
             groups[index[k]].append(r)
         else:
@@ -372,16 +378,19 @@ def group_args(group: list[Run], a) -> list[str]:
     return args
 
 
-def start_server(args: list[str], log_path: Path, a, ablate: bool = False):
-    """``sglang serve`` with ``args`` (``OASIS_ABLATE=no-transfer`` when ``ablate``); the
-    ``testing.launch.Server``. Raises what the launch raises."""
+def start_server(args: list[str], log_path: Path, a, ablate: bool = False, churn: str | None = None):
+    """``sglang serve`` with ``args`` (``OASIS_ABLATE=no-transfer`` when ``ablate``,
+    ``OASIS_CHURN=churn`` when given); the ``testing.launch.Server``. Raises what the launch raises."""
+    env = {"OASIS_ABLATE": "no-transfer" if ablate else None, "OASIS_CHURN": churn}
     try:
-        if ablate:
-            os.environ["OASIS_ABLATE"] = "no-transfer"        # read by the server's OasisKV engine
+        for k, v in env.items():          # read by the server's OasisKV engine (BenchHooks.from_env)
+            if v:
+                os.environ[k] = v
         return launch(os.environ["M"], 0, args, log_path, timeout=a.timeout, echo=False)
     finally:
-        if ablate:
-            os.environ.pop("OASIS_ABLATE", None)
+        for k, v in env.items():
+            if v:
+                os.environ.pop(k, None)
 
 
 def run_one(run: Run, a, out: Path, srv=None) -> dict:
@@ -393,13 +402,13 @@ def run_one(run: Run, a, out: Path, srv=None) -> dict:
     field ``profile``, table ``profile_<run>.md``)."""
     base = {"key": run.key, "system": run.system, "input_len": run.input_len, "output_len": run.output_len,
             "batch": run.batch, "pool": run.pool, "fetch_cap": run.fetch_cap, "host_requests": run.host_requests,
-            "date": time.strftime("%Y-%m-%d %H:%M")}
+            "churn": run.churn, "date": time.strftime("%Y-%m-%d %H:%M")}
     t0 = time.time()
     own = srv is None
     if own:
         try:
             srv = start_server(system_args(run, a), out / f"server_{run.key.replace('/', '_')}.log", a,
-                               ablate=run.system == "oasis-no-transfer")
+                               ablate=run.system == "oasis-no-transfer", churn=run.churn)
         except Exception as e:  # noqa: BLE001 - report and go on with the next run
             return {**base, "error": f"start failed: {e.__class__.__name__}: {str(e)[:300]}"}
         base["start_s"] = round(time.time() - t0, 1)
@@ -491,7 +500,9 @@ def tables(results: list[dict], a) -> str:
     md = [f"Qwen3-8B-shaped dummy (random weights: speed only), H200; oasis budget {a.budget}, predictor "
           f"{a.predictor or 'default'}, {'eager' if a.eager else 'decode CUDA graphs'}; dense KV pool "
           f"--mem-fraction-static {DENSE_80GB_MEM_FRACTION} (80 GB GPU) where marked 80gb; oasis host tier "
-          f"{a.host_gib} GiB unless sized to the batch.", ""]
+          f"{a.host_gib} GiB unless sized to the batch."
+          + (f" Oasis predictions replay the churn profile {a.churn} (OASIS_CHURN, core/churn.py)."
+             if getattr(a, "churn", None) else " Random-weight churn (about the whole cap every step)."), ""]
     head = ("| run | most running | decode tok/s | step ms | output tok/s | TPOT ms | TTFT s | H2D MB/step | H2D GB/s | "
             "admitted / (req, layer, head) / step | hit rate | vs dense |")
     sep = "|---|---|---|---|---|---|---|---|---|---|---|---|"
@@ -625,7 +636,7 @@ def load_results(jpath: Path) -> tuple[list[dict], dict]:
 NUMERIC_FIELDS = ("input_len", "output_len", "batch", "fetch_cap", "max_running", "decode_tok_s", "step_ms",
                   "output_tok_s", "median_tpot_ms", "median_ttft_ms", "h2d_mb_per_step", "h2d_gb_s", "hit_rate",
                   "admitted_per_head_step")
-RUN_FIELDS = ("system", "input_len", "output_len", "batch", "pool", "fetch_cap", "host_requests")
+RUN_FIELDS = ("system", "input_len", "output_len", "batch", "pool", "fetch_cap", "host_requests", "churn")
 
 
 def same_run(res: dict, run: Run) -> bool:
@@ -663,6 +674,10 @@ def main() -> int:
     ap.add_argument("--predictor", default="previous", choices=["previous", "lookahead", "current"],
                     help="oasis predictor (previous: the asynchronous pipeline without a draft model)")
     ap.add_argument("--eager", action="store_true", help="oasis without CUDA graphs")
+    ap.add_argument("--churn", default=None, metavar="FILE",
+                    help="oasis runs replay this churn profile (results.json of scripts/measure_agreement.py "
+                         "--fetch-caps unbounded, or a JSON list of per-layer means): a measured admission rate "
+                         "instead of random weights' (core/churn.py)")
     ap.add_argument("--separate-servers", action="store_true",
                     help="one server per run (default: the throughput / context runs of a system share one server, "
                          "started for the longest context and the most requests; server_groups)")
@@ -689,6 +704,14 @@ def main() -> int:
             OasisConfig(budget_tokens=a.budget, fetch_cap=c)
     except ValueError as e:
         ap.error(f"--budget / --fetch-cap(s): {e}")
+    if a.churn:
+        from ..core.churn import load_profile
+
+        try:
+            load_profile(a.churn)
+        except (OSError, ValueError) as e:
+            ap.error(f"--churn: {e}")
+        a.churn = str(Path(a.churn).resolve())
     if a.deadline is not None and a.deadline < a.run_estimate:
         ap.error(f"--deadline {a.deadline:g} is below --run-estimate {a.run_estimate:g}: no run would start")
     for name in ("fetch_caps", "input_lens", "systems"):
@@ -705,7 +728,8 @@ def main() -> int:
         runs = [r for r in runs if r.key in a.only]
     if a.list:
         for r in runs:
-            env = "OASIS_ABLATE=no-transfer " if r.system == "oasis-no-transfer" else ""
+            env = ("OASIS_ABLATE=no-transfer " if r.system == "oasis-no-transfer" else "") + \
+                (f"OASIS_CHURN={r.churn} " if r.churn else "")
             print(r.key, f"{env}sglang serve --model-path $M", " ".join(system_args(r, a)))
         return 0
     out = Path(a.out)
@@ -719,7 +743,7 @@ def main() -> int:
     if (a.resume or a.plot_only) and jpath.exists():
         results, stored = load_results(jpath)
         if a.plot_only:                   # the table header describes the stored runs
-            for k in ("budget", "predictor", "eager", "host_gib"):
+            for k in ("budget", "predictor", "eager", "host_gib", "churn"):
                 if k in stored:
                     setattr(a, k, stored[k])
     if not a.plot_only:
@@ -773,7 +797,8 @@ def main() -> int:
                 if len(group) > 1 and srv is None:
                     name = f"server_{run.system}_{run.pool}_shared.log"
                     try:
-                        srv = start_server(group_args(group, a), out / name, a, ablate=run.system == "oasis-no-transfer")
+                        srv = start_server(group_args(group, a), out / name, a,
+                                           ablate=run.system == "oasis-no-transfer", churn=run.churn)
                     except Exception as e:  # noqa: BLE001 - every run of the group failed to start
                         err = f"start failed: {e.__class__.__name__}: {str(e)[:300]}"
                         for r in group[i:]:

@@ -25,6 +25,7 @@ import torch
 from ..config import OasisConfig
 from .bench_hooks import BenchHooks
 from .budget import TransferBudget
+from .churn import replay_churn
 from .host_tier import HostTier
 from .ops import BaseKVOps
 from .prediction import PredictionRecord
@@ -67,8 +68,12 @@ class PrefetchStages:
             ``(wanted, forced)`` ``[B, H, K]`` (int64 block ids, -1 padded; bool).
         """
         s, cfg = self.summaries, self.cfg
-        return self.ops.select_topk(q, s.kmin[li], s.kmax[li], rtt, rows, seq, cfg.block_size, cfg.sink_blocks,
-                                    cfg.recent_blocks, nb_max, cfg.budget_blocks)
+        wanted, forced = self.ops.select_topk(q, s.kmin[li], s.kmax[li], rtt, rows, seq, cfg.block_size,
+                                              cfg.sink_blocks, cfg.recent_blocks, nb_max, cfg.budget_blocks)
+        churn = self.bench.churn_mean(li, self.ws.L)
+        if churn is not None:        # benchmarks: a measured admission rate instead of random weights'
+            wanted, forced = replay_churn(wanted, forced, self.ws.ids[li][rows], churn, seq, salt=li)
+        return wanted, forced
 
     def select(self, li: int, rows: torch.Tensor, seq: torch.Tensor, rtt: torch.Tensor, wanted: torch.Tensor,
                forced: torch.Tensor, clock: torch.Tensor):

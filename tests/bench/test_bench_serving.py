@@ -21,7 +21,7 @@ def _args(bench, *argv):
 
     return argparse.Namespace(systems=None, input_len=16384, input_lens=None, output_len=256, batch=8, dense_batch=32,
                            host_gib=72.0, budget=2048, fetch_cap=None, fetch_caps=[1, 2, 4, 8, 16],
-                           predictor="previous", eager=False)
+                           predictor="previous", eager=False, churn=None)
 
 
 def test_all_plans_the_measurements_once(bench):
@@ -156,7 +156,7 @@ def test_a_shared_server_serves_its_runs_and_each_reads_only_its_own_log(bench, 
     """run_one on a shared server: the figures come from the log written during that run only."""
     started = []
 
-    def fake_start(args, log_path, a, ablate=False):
+    def fake_start(args, log_path, a, ablate=False, churn=None):
         started.append((log_path.name, args))
         return _FakeServer()
 
@@ -430,3 +430,31 @@ def test_stall_suite_pairs_the_16k_run_with_its_no_transfer_ablation(bench):
            {"key": "stall/16384/oasis-no-transfer", "system": "oasis-no-transfer", "decode_tok_s": 2222.2,
             "step_ms": 18.0, "max_running": 40}]
     assert "| 16K | 40 / 40 | 20.00 | 18.00 | 10.0% |" in bench.tables(res, a)
+
+
+def test_churn_replay_marks_the_oasis_runs_and_reaches_their_servers(bench, monkeypatch, tmp_path, capsys):
+    import json
+
+    prof = tmp_path / "churn.json"
+    prof.write_text("[2.0, 3.0]")
+    calls = _fake_runs(bench, monkeypatch)
+    out = str(tmp_path / "o")
+    assert _main(bench, monkeypatch, "--suite", "short", "--out", out, "--churn", str(prof)) == 0
+    rows = {r["key"]: r for r in json.loads((tmp_path / "o" / "bench_oasis.json").read_text())["results"]}
+    assert rows["short/1024/oasis"]["churn"] == str(prof.resolve()) and rows["short/1024/dense"]["churn"] is None
+    assert "replay the churn profile" in (tmp_path / "o" / "bench_oasis.md").read_text()
+    assert _main(bench, monkeypatch, "--suite", "short", "--out", out, "--resume") == 0
+    assert calls[2:] == ["short/1024/oasis"], "without --churn the oasis run is another measurement"
+    capsys.readouterr()
+    assert _main(bench, monkeypatch, "--suite", "short", "--list", "--churn", str(prof)) == 0
+    listed = capsys.readouterr().out
+    assert f"OASIS_CHURN={prof.resolve()} sglang serve" in listed and listed.count("OASIS_CHURN") == 1
+    started = []
+    monkeypatch.setattr(bench, "launch", lambda m, port, args, log, **k: started.append(dict(__import__("os").environ))
+                        or _FakeServer())
+    bench.start_server(["--x"], tmp_path / "l.log", _args(bench), churn="/p.json")
+    assert started[-1]["OASIS_CHURN"] == "/p.json" and "OASIS_CHURN" not in __import__("os").environ
+    prof.write_text("[-1]")
+    with pytest.raises(SystemExit) as e:
+        _main(bench, monkeypatch, "--suite", "short", "--out", out, "--churn", str(prof))
+    assert e.value.code == 2 and "--churn" in capsys.readouterr().err
