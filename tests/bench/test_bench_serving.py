@@ -434,9 +434,11 @@ def test_stall_suite_pairs_the_16k_run_with_its_no_transfer_ablation(bench):
 
 def test_churn_replay_marks_the_oasis_runs_and_reaches_their_servers(bench, monkeypatch, tmp_path, capsys):
     import json
+    from argparse import Namespace as argparse_ns
 
     prof = tmp_path / "churn.json"
     prof.write_text("[2.0, 3.0]")
+    real_start = bench.start_server
     calls = _fake_runs(bench, monkeypatch)
     out = str(tmp_path / "o")
     assert _main(bench, monkeypatch, "--suite", "short", "--out", out, "--churn", str(prof)) == 0
@@ -452,7 +454,7 @@ def test_churn_replay_marks_the_oasis_runs_and_reaches_their_servers(bench, monk
     started = []
     monkeypatch.setattr(bench, "launch", lambda m, port, args, log, **k: started.append(dict(__import__("os").environ))
                         or _FakeServer())
-    bench.start_server(["--x"], tmp_path / "l.log", _args(bench), churn="/p.json")
+    real_start(["--x"], tmp_path / "l.log", argparse_ns(timeout=5), churn="/p.json")
     assert started[-1]["OASIS_CHURN"] == "/p.json" and "OASIS_CHURN" not in __import__("os").environ
     prof.write_text("[-1]")
     with pytest.raises(SystemExit) as e:
