@@ -9,7 +9,12 @@ import pytest
 from oasis_sglang.config import OasisConfigError
 from oasis_sglang.core.bench_hooks import ABLATIONS, BenchHooks
 
-OFF = dict(assume_predicted=False, skip_admission_copy=False, skip_prefetch=False, host_check_interval=0)
+OFF = dict(assume_predicted=False, skip_admission_copy=False, skip_prefetch=False, host_check_interval=0, churn=None)
+
+
+@pytest.fixture(autouse=True)
+def _no_churn_env(monkeypatch):
+    monkeypatch.delenv("OASIS_CHURN", raising=False)      # (its own tests: test_churn.py)
 
 
 def test_the_defaults_switch_nothing_on():
