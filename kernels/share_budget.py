@@ -43,7 +43,7 @@ def _share_budget_kernel(Cand, Budget, Clock, Out, N, C, K,
     full = tl.sum(((cum <= b) & (p < K)).to(tl.int64), axis=0)           # positions 0 .. full-1 fit whole
     below = tl.sum(tl.where(p == full - 1, cum, 0), axis=0)
     rest = b - below
-    start = tl.load(Clock) % N
+    start = ((tl.load(Clock) % N) + N) % N                              # Python's modulo (the reference's)
     i = tl.arange(0, BLOCK_N)
     c = tl.arange(0, BLOCK_C)
     # pass 1: heads with a candidate at `full`, in all and before `start`

@@ -135,11 +135,11 @@ class OasisConfig:
             raise OasisConfigError(
                 f"kv_sparse_config: 'predictor' must be one of {list(PREDICTOR_CHOICES)}, got {self.predictor!r}")
         tb = self.transfer_budget
-        if not (tb is None or tb == "auto" or (_is_int(tb) and tb >= 1)
+        if not (tb is None or tb == "auto" or (_is_int(tb) and 1 <= tb <= 2**62)
                 or (isinstance(tb, float) and 0.0 < tb <= 1.0)):
             raise OasisConfigError(
                 f"kv_sparse_config: 'transfer_budget' must be \"auto\", a link fraction in (0, 1] (e.g. 0.5), "
-                f"a positive integer of bytes per decode step, or null; got {tb!r}")
+                f"a positive integer of bytes per decode step (at most 2**62), or null; got {tb!r}")
         if not isinstance(self.measure_agreement, bool):
             raise OasisConfigError(
                 f"kv_sparse_config: 'measure_agreement' must be true or false, got {self.measure_agreement!r}")

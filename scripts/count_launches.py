@@ -92,8 +92,10 @@ def build(args, dev):
     H, G, D, bs = args.kv_heads, args.group, args.head_dim, 16
     B, C, L = args.batch, args.context, args.layers
     per = C + args.steps + bs
+    # a fixed step budget: its kernels are launched as with the default "auto" on a GPU (off CUDA a
+    # link fraction is never planned through), so the count is the same on both
     cfg = OasisConfig(budget_tokens=args.budget, block_size=bs, fetch_cap=args.fetch_cap, dense_layers=(),
-                      sink_blocks=1, recent_blocks=2, kernels=args.kernels)
+                      sink_blocks=1, recent_blocks=2, kernels=args.kernels, transfer_budget=1 << 30)
     dt = torch.bfloat16 if dev == "cuda" else torch.float32
     eng = OasisSparseKV(cfg, L, B * per + bs, B + 1, H, D, D, dt, dev, ops=get_kv_ops(args.kernels),
                         predictor="previous", padding_row=None if args.eager else 0)

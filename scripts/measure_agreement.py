@@ -114,10 +114,11 @@ def main() -> int:
             caps.append(c)
         elif c.isascii() and c.isdigit() and int(c) >= 1:
             caps.append(int(c))
-        elif c.startswith("budget") and c[6:].isascii() and c[6:].isdigit():
-            caps.append(c)
+        elif c.startswith("budget") and c[6:].isascii() and c[6:].isdigit() and 1 <= int(c[6:]) <= 1 << 20:
+            caps.append(f"budget{int(c[6:])}")            # (budget02 and budget2 are one run)
         else:
-            ap.error(f"--fetch-caps: {c!r} is not a positive integer, 'budgetN', 'unbounded' or 'none'")
+            ap.error(f"--fetch-caps: {c!r} is not a positive integer, 'budgetN' (N from 1 to 2**20), 'unbounded' "
+                     "or 'none'")
     caps = list(dict.fromkeys(caps))                 # a repeated value is one run (else its NLL counts twice)
     a.budgets, a.predictors = list(dict.fromkeys(a.budgets)), list(dict.fromkeys(a.predictors))
     if a.agreement_only and caps != ["none"]:

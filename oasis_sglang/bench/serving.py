@@ -704,6 +704,8 @@ def main() -> int:
             OasisConfig(budget_tokens=a.budget, fetch_cap=c)
     except ValueError as e:
         ap.error(f"--budget / --fetch-cap(s): {e}")
+    if a.churn is not None and not a.churn:
+        ap.error("--churn: empty file name")
     if a.churn:
         from ..core.churn import load_profile
 
@@ -726,11 +728,13 @@ def main() -> int:
         if unknown:
             ap.error(f"--only: unknown run keys {sorted(unknown)}; planned: {[r.key for r in runs]}")
         runs = [r for r in runs if r.key in a.only]
-    if a.list:
-        for r in runs:
+    if a.list:                            # the servers that would start, with the runs each serves
+        for group in server_groups(runs, share=not a.separate_servers):
+            r = group[0]
             env = ("OASIS_ABLATE=no-transfer " if r.system == "oasis-no-transfer" else "") + \
                 (f"OASIS_CHURN={r.churn} " if r.churn else "")
-            print(r.key, f"{env}sglang serve --model-path $M", " ".join(system_args(r, a)))
+            args = group_args(group, a) if len(group) > 1 else system_args(r, a)
+            print(" ".join(x.key for x in group), f"{env}sglang serve --model-path $M", " ".join(args))
         return 0
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -20,6 +20,7 @@ time less the copies' link time), ``"auto"`` (0.8 of it), or ``None`` (the cap a
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 
@@ -87,6 +88,7 @@ class TransferBudget:
     def __init__(self, setting, block_bytes: int, num_layers: int, device):
         self.setting, self.block_bytes, self.L = setting, int(block_bytes), max(1, int(num_layers))
         self.blocks = torch.full((), UNLIMITED, dtype=torch.int64, device=device)
+        self._cuda = torch.device(device).type == "cuda"
         self.link_bytes_per_s: float | None = None
         self.step_s: float | None = None
         if isinstance(setting, int) and not isinstance(setting, bool):
@@ -94,8 +96,12 @@ class TransferBudget:
 
     @property
     def enabled(self) -> bool:
-        """A budget is applied (``transfer_budget`` is not ``None``): the step plans through it."""
-        return self.setting is not None
+        """The step plans through the budget: ``transfer_budget`` is not ``None``, and a link
+        fraction is only planned through on CUDA (elsewhere no link is measured, so it would
+        stay unlimited: the candidates and shares would be computed for nothing every layer).
+        Fixed by the configuration, so a captured CUDA graph holds the budget's kernels from
+        the start and reads the device scalar ``blocks`` as it is resized."""
+        return self.setting is not None and (self.fraction is None or self._cuda)
 
     @property
     def fraction(self) -> float | None:
@@ -111,11 +117,15 @@ class TransferBudget:
         return None if b < 0 else b * self.L * self.block_bytes
 
     def _set_bytes(self, nbytes: float) -> None:
-        self.blocks.fill_(max(0, int(nbytes // (self.L * self.block_bytes))))
+        blocks = nbytes / (self.L * self.block_bytes)
+        self.blocks.fill_(int(min(max(blocks, 0.0), 2.0**62)) if math.isfinite(blocks) else 2**62)
 
     def set_link_rate(self, bytes_per_s: float | None) -> None:
-        """The measured link rate (bytes/s; ``None`` or <= 0: unknown, the budget stays as it is)."""
-        self.link_bytes_per_s = bytes_per_s if bytes_per_s and bytes_per_s > 0 else None
+        """The measured link rate (bytes/s; ``None``, not a positive finite number: unknown, the
+        budget stays as it is)."""
+        ok = isinstance(bytes_per_s, (int, float)) and not isinstance(bytes_per_s, bool) \
+            and math.isfinite(bytes_per_s) and bytes_per_s > 0
+        self.link_bytes_per_s = float(bytes_per_s) if ok else None
 
     def observe_step(self, step_s: float, copied_bytes: float | None = None) -> None:
         """Resize a link-fraction budget for a measured decode step (eq. 3 on the compute time).
@@ -135,8 +145,8 @@ class TransferBudget:
         with 30% of the step exposed). Fixed budgets ignore this.
         """
         f, rate = self.fraction, self.link_bytes_per_s
-        if f is None or rate is None or not step_s > 0:
+        if f is None or rate is None or not (isinstance(step_s, (int, float)) and math.isfinite(step_s) and step_s > 0):
             return
-        copied = copied_bytes if copied_bytes is not None and copied_bytes > 0 else 0.0
+        copied = copied_bytes if copied_bytes is not None and math.isfinite(copied_bytes) and copied_bytes > 0 else 0.0
         self.step_s = float(step_s)
         self._set_bytes(f * rate * max(self.step_s - copied / rate, 0.25 * self.step_s))

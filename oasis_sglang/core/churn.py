@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+MAX_MEAN = 1 << 20          # blocks per step and KV head: far above any working set
+
 
 def load_profile(path: str | Path) -> tuple[float, ...]:
     """Per-sparse-layer mean of wanted blocks not resident per step and KV head, from the
@@ -32,19 +34,25 @@ def load_profile(path: str | Path) -> tuple[float, ...]:
     ``missing_by_layer`` of the unbounded run), or from a JSON list of numbers.
 
     Raises:
-        ValueError: the file has no such run or list, or a value is negative or not finite.
+        ValueError: naming the file: it cannot be read as JSON, has no such run or list, or a
+            value is negative, not finite or above ``MAX_MEAN``.
     """
-    data = json.loads(Path(path).read_text())
-    if isinstance(data, dict):
-        runs = [r for r in data.get("runs", []) if r.get("fetch_cap") == "unbounded" and r.get("missing_by_layer")]
-        if not runs:
-            raise ValueError(f"{path}: no run with fetch_cap 'unbounded' and 'missing_by_layer' (measure it with "
-                             "scripts/measure_agreement.py --fetch-caps unbounded)")
-        data = [v for _, v in sorted(runs[0]["missing_by_layer"].items(), key=lambda kv: int(kv[0]))]
-    if not isinstance(data, list) or not data or not all(
-            isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0 for x in data):
-        raise ValueError(f"{path}: want a non-empty list of per-layer means >= 0, got {str(data)[:200]}")
-    return tuple(float(x) for x in data)
+    try:
+        data = json.loads(Path(path).read_text())
+        if isinstance(data, dict):
+            runs = [r for r in data.get("runs", []) if isinstance(r, dict) and r.get("fetch_cap") == "unbounded"
+                    and isinstance(r.get("missing_by_layer"), dict) and r["missing_by_layer"]]
+            if not runs:
+                raise ValueError("no run with fetch_cap 'unbounded' and 'missing_by_layer' (measure it with "
+                                 "scripts/measure_agreement.py --fetch-caps unbounded)")
+            data = [v for _, v in sorted(runs[0]["missing_by_layer"].items(), key=lambda kv: int(kv[0]))]
+        if not isinstance(data, list) or not data or not all(
+                isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and 0 <= x <= MAX_MEAN
+                for x in data):
+            raise ValueError(f"want a non-empty list of per-layer means in [0, {MAX_MEAN}], got {str(data)[:200]}")
+        return tuple(float(x) for x in data)
+    except (TypeError, AttributeError, KeyError, OverflowError, ValueError) as e:
+        raise ValueError(f"{path}: {e}") from None
 
 
 def resample(profile: tuple[float, ...], num_layers: int) -> tuple[float, ...]:
@@ -79,6 +87,8 @@ def replay_churn(wanted: torch.Tensor, forced: torch.Tensor, held: torch.Tensor,
     """
     B, H, K = wanted.shape
     dev = wanted.device
+    mean = float(mean)
+    mean = min(mean, float(K)) if mean > 0 else 0.0        # (NaN and negatives: no churn; at most the list)
     valid = wanted >= 0
     in_held = ((wanted[..., :, None] == held[..., None, :]) & valid[..., :, None] & (held >= 0)[..., None, :]).any(-1)
     nonres = valid & ~forced & ~in_held

@@ -460,3 +460,18 @@ def test_churn_replay_marks_the_oasis_runs_and_reaches_their_servers(bench, monk
     with pytest.raises(SystemExit) as e:
         _main(bench, monkeypatch, "--suite", "short", "--out", out, "--churn", str(prof))
     assert e.value.code == 2 and "--churn" in capsys.readouterr().err
+
+
+def test_list_prints_the_servers_that_would_start(bench, monkeypatch, tmp_path, capsys):
+    _fake_runs(bench, monkeypatch)
+    capsys.readouterr()
+    assert _main(bench, monkeypatch, "--suite", "all", "--list") == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 5, lines
+    assert lines[1].startswith("throughput/16384/oasis throughput/32768/oasis context/4096/oasis context/8192/oasis ")
+    assert "--max-running-requests 158 " in lines[1]
+    assert _main(bench, monkeypatch, "--suite", "all", "--list", "--separate-servers") == 0
+    assert len(capsys.readouterr().out.strip().splitlines()) == 11
+    with pytest.raises(SystemExit) as e:
+        _main(bench, monkeypatch, "--suite", "short", "--churn=", "--list")
+    assert e.value.code == 2 and "--churn: empty" in capsys.readouterr().err

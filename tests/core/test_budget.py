@@ -149,7 +149,7 @@ def test_transfer_budget_settings_and_their_errors():
     assert OasisConfig().transfer_budget == "auto"
     for ok in ("auto", None, 1, 2**30, 0.25, 1.0):
         assert OasisConfig(transfer_budget=ok).transfer_budget == ok
-    for bad in (0, -5, 1.5, 0.0, float("nan"), "fast", True, [1], "0.5"):
+    for bad in (0, -5, 1.5, 0.0, float("nan"), "fast", True, [1], "0.5", 2**62 + 1, 10**30):
         with pytest.raises(OasisConfigError, match="'transfer_budget'"):
             OasisConfig(transfer_budget=bad)
     assert OasisConfig.from_json('{"transfer_budget": 0.5}').transfer_budget == 0.5
@@ -191,4 +191,19 @@ def test_the_sized_budget_settles_below_the_links_share_of_the_compute(exposed):
     f = AUTO_LINK_FRACTION
     want = f * rate * compute / (1 + f * (1 - exposed))
     assert copied == pytest.approx(want, rel=0.01) and copied < rate * compute
+    for bad in (float("inf"), float("nan"), "25e9", True, -1.0):
+        t = TransferBudget("auto", block_bytes=100, num_layers=4, device="cpu")
+        t.set_link_rate(bad)
+        assert t.link_bytes_per_s is None, bad
+    t = TransferBudget("auto", block_bytes=100, num_layers=4, device="cpu")
+    t.set_link_rate(1e9)
+    for bad in (float("inf"), float("-inf"), float("nan")):
+        t.observe_step(bad)
+    assert int(t.blocks) == -1 and t.step_s is None, "non-finite step times are ignored"
+    t.observe_step(1e30, copied_bytes=float("inf"))
+    assert int(t.blocks) == 2**62 and t.step_s == 1e30, "a huge one is clamped (and non-finite copies ignored)"
     assert not TransferBudget(None, 100, 4, "cpu").enabled
+    assert TransferBudget(1000, 100, 4, "cpu").enabled, "fixed bytes apply on any device"
+    for frac in ("auto", 0.5):
+        assert not TransferBudget(frac, 100, 4, "cpu").enabled, \
+            "no link off CUDA: a fraction would stay unlimited, so the step does not plan through it"

@@ -25,6 +25,21 @@ def _full_layer(seed, B=4, H=3, K=16, nb=60):
     return held, wanted, forced
 
 
+def test_odd_means_are_clamped_to_the_list(seed):
+    held, wanted, forced = _full_layer(seed)
+    seq = torch.full((wanted.shape[0],), 9)
+    for mean, want in ((1e19, "all"), (float("inf"), "all"), (float("nan"), 0), (-3.0, 0)):
+        w, f = replay_churn(wanted, forced, held, mean, seq)
+        res = [set(held[b, h].tolist()) | set(wanted[b, h][forced[b, h]].tolist())
+               for b in range(w.shape[0]) for h in range(w.shape[1])]
+        miss = [sum(1 for x in w[b, h].tolist() if x >= 0 and x not in res[b * w.shape[1] + h])
+                for b in range(w.shape[0]) for h in range(w.shape[1])]
+        if want == 0:
+            assert miss == [0] * len(miss), mean
+        else:
+            assert min(miss) > 0 and torch.equal((w >= 0).sum(-1), torch.full_like(miss and (w >= 0).sum(-1), 16)), mean
+
+
 @pytest.mark.parametrize("mean", [0.0, 1.0, 2.5, 7.0])
 def test_replay_misses_the_asked_number_of_resident_blocks(seed, mean):
     held, wanted, forced = _full_layer(seed)
@@ -68,9 +83,11 @@ def test_profiles_load_and_stretch(tmp_path):
     q = tmp_path / "list.json"
     q.write_text("[4, 5.5]")
     assert load_profile(q) == (4.0, 5.5)
-    for bad in ('{"runs": []}', "[]", '[1, -2]', '["x"]', '{"runs": [{"fetch_cap": "unbounded"}]}'):
+    for bad in ('{"runs": []}', "[]", '[1, -2]', '["x"]', '{"runs": [{"fetch_cap": "unbounded"}]}', '{"runs": 5}',
+                '{"runs": [1, 2]}', '{"runs": [{"fetch_cap": "unbounded", "missing_by_layer": [1, 2]}]}',
+                '{"runs": [{"fetch_cap": "unbounded", "missing_by_layer": {"a": 1}}]}', "[1e308]", "{not json"):
         q.write_text(bad)
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match="list.json"):
             load_profile(q)
     assert resample((1.0, 3.0), 3) == (1.0, 2.0, 3.0)
     assert resample((2.0,), 4) == (2.0,) * 4

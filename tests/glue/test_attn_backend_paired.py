@@ -51,7 +51,9 @@ def _backend(seed: int = 0):
     the same random context for every call with the same seed: rows 1 and 2 hold 21 and 30 tokens."""
     torch.manual_seed(seed)
     rtp = ReqToTokenPool(size=4, max_context_len=WIDTH, device="cpu", enable_memory_saver=False)
-    cfg = OasisConfig(budget_tokens=16, block_size=BS, dense_layers=(0,), predictor="lookahead", kernels="triton")
+    # a fixed step budget of 2 blocks per layer: its kernels run (and are watched) as on a GPU
+    cfg = OasisConfig(budget_tokens=16, block_size=BS, dense_layers=(0,), predictor="lookahead", kernels="triton",
+                      transfer_budget=2 * 2 * 2 * BS * D * 4)
     eng = OasisSparseKV(cfg, LAYERS, 4 * WIDTH + BS, rtp.req_to_token.shape[0], H, D, D, torch.float32, "cpu",
                         ops=get_kv_ops("triton"), predictor="lookahead", padding_row=0)
     rt = OasisRuntime(eng)
@@ -126,6 +128,7 @@ def test_a_captured_paired_step_reads_no_value_and_computes_the_eager_step():
     assert torch.equal(graph.ws.k[0], eager.ws.k[0]) and torch.equal(graph.ws.v[-1], eager.ws.v[-1])
     assert torch.equal(graph.record.seq, eager.record.seq) and eager.record.seq[ROWS].tolist() == [23, 32]
     assert torch.equal(graph.counters, eager.counters)
+    assert int(graph.budget.blocks) == 2 and graph.budget.enabled, "the budget's kernels ran in both steps"
     assert graph.stats.decode_steps == 0 and eager.stats.decode_steps == 1, "a capture is no decode step"
 
 

@@ -398,7 +398,7 @@ def test_share_budget_equals_reference_exactly(seed, N, C, K):
     cand = torch.tensor(rows, dtype=torch.int32).to(DEV)
     total = int((cand >= 0).sum())
     for budget in sorted({0, 1, total // 3, total // 2, total - 1, total, total + 3, -1}):
-        for clock in (0, 3, N + 2, 10**9 + 7):
+        for clock in (0, 3, N + 2, 10**9 + 7, -1, -N - 3):
             b = torch.tensor(max(budget, -1), dtype=torch.int64, device=DEV)
             c = torch.tensor(clock, dtype=torch.int64, device=DEV)
             want, got = ref(cand, b, c, K), share_budget(cand, b, c, K)
