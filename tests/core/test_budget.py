@@ -8,7 +8,6 @@ import torch
 from oasis_sglang.config import OasisConfig, OasisConfigError
 from oasis_sglang.core import OasisSparseKV
 from oasis_sglang.core.budget import AUTO_LINK_FRACTION, TransferBudget, share_budget
-from oasis_sglang.core.ops import TorchKVOps
 from oasis_sglang.core.selection import select_blocks
 from oasis_sglang.core.working_set import budget_candidates, plan_admissions
 
