@@ -16,12 +16,21 @@ from oasis_sglang.core.selection import select_blocks
 from oasis_sglang.core.working_set import plan_admissions
 
 
-def _full_layer(seed, B=4, H=3, K=16, nb=60):
-    """A full working set per (request, KV head), and a fresh random prediction against it."""
+def _full_layer(seed, B=4, H=3, K=16, nb=60, shared=4):
+    """A full working set per (request, KV head), and a fresh random prediction against it that
+    holds exactly ``shared`` of its resident blocks (besides sink / recent ones), so every list has
+    ``K - forced - shared`` non-resident blocks to miss (replay_churn takes them from the list)."""
     g = torch.Generator().manual_seed(seed)
-    held = torch.stack([torch.stack([torch.randperm(nb, generator=g)[:K] for _ in range(H)]) for _ in range(B)])
     n = torch.full((B,), nb)
     wanted, forced = select_blocks(torch.randn(B, H, nb, generator=g), n, n - 1, K, 1, 2)
+    held = torch.empty(B, H, K, dtype=torch.int64)
+    for b in range(B):
+        for h in range(H):
+            free = wanted[b, h][~forced[b, h]]
+            inside = free[torch.randperm(len(free), generator=g)[:shared]]
+            outside = torch.tensor([x for x in torch.randperm(nb, generator=g).tolist()
+                                    if x not in set(wanted[b, h].tolist())][:K - shared])
+            held[b, h] = torch.cat([inside, outside])[torch.randperm(K, generator=g)]
     return held, wanted, forced
 
 
@@ -147,3 +156,15 @@ def test_an_engine_replaying_churn_admits_about_the_profile_per_head(seed):
     admitted = int(eng.counters.sum(0)[1] - before[1])
     per_head = admitted / (8 * len(eng.sparse_layers) * 2 * 2)
     assert 1.5 <= per_head <= 3.5, per_head
+
+
+def test_a_prediction_with_fewer_missing_blocks_gives_all_it_has(seed):
+    """replay_churn misses blocks of the prediction only: where its list holds fewer non-resident
+    blocks than asked, it misses all of them and fills the rest from the working set."""
+    held, wanted, forced = _full_layer(seed, shared=12)          # 16 - 3 forced - 12 shared = 1 to miss
+    w, f = replay_churn(wanted, forced, held, 7.0, torch.full((wanted.shape[0],), 5))
+    for b in range(w.shape[0]):
+        for h in range(w.shape[1]):
+            must = set(wanted[b, h][forced[b, h]].tolist())
+            res = set(held[b, h].tolist())
+            assert sum(1 for x in w[b, h].tolist() if x >= 0 and x not in res and x not in must) == 1
