@@ -73,6 +73,8 @@ def _paged_stage1(Q, KBuf, VBuf, ReqToToken, Rows, KvLens, MidO, MidL,
                     mask=nm[:, None] & (dv < DV)[None, :], other=0.0)
         if UPCAST:
             v = v.to(tl.float32)
+        elif v.dtype.is_fp8():      # an fp8 KV cache: the product in the query's dtype
+            v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     o, lse2 = _softmax_finish(acc, m_i, l_i)

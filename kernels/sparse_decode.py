@@ -122,6 +122,8 @@ def _stage1(Q, WsK, WsV, Ids, Rows, SeqLens, MidO, MidL,
         v = tl.load(WsV + (base + n)[:, None] * DV + dv[None, :], mask=valid[:, None] & (dv < DV)[None, :], other=0.0)
         if UPCAST:
             v = v.to(tl.float32)
+        elif v.dtype.is_fp8():      # an fp8 KV cache: the product in the query's dtype
+            v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     o, lse2 = _softmax_finish(acc, m_i, l_i)

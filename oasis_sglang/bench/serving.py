@@ -75,6 +75,7 @@ EAGLE = ["--speculative-algorithm", "EAGLE3", "--speculative-num-steps", "1", "-
 # the KV pool an 80 GB GPU holds for Qwen3-8B (issue 5; 367,922 tokens on the H200)
 DENSE_80GB_MEM_FRACTION = 0.475
 QWEN3_8B_KV_BYTES_PER_TOKEN = 36 * 8 * 128 * 2 * 2        # layers x KV heads x head_dim x (K, V) x bf16
+KV_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")               # --kv-dtype: SGLang's --kv-cache-dtype for every server
 
 
 @dataclass(frozen=True)
@@ -96,15 +97,22 @@ class Run:
     fetch_cap: int | None = None
     host_requests: int | None = None
     churn: str | None = None          # oasis: a churn profile replayed (OASIS_CHURN, core/churn.py)
+    kv_dtype: str = "auto"            # SGLang's --kv-cache-dtype (dense and oasis alike)
 
 
-def host_requests_for(ctx: int, host_gib: float) -> int:
-    """Requests of ``ctx`` tokens whose Qwen3-8B KV fits in ``host_gib`` GiB of host tier.
-    Raises ValueError (naming --host-gib) when not even one fits."""
-    n = int(host_gib * 2**30 // (ctx * QWEN3_8B_KV_BYTES_PER_TOKEN))
+def kv_bytes_per_token(kv_dtype: str = "auto") -> int:
+    """Bytes of Qwen3-8B KV per token: bf16, or half of it in fp8 (``--kv-dtype fp8_*``)."""
+    return QWEN3_8B_KV_BYTES_PER_TOKEN // (2 if kv_dtype.startswith("fp8") else 1)
+
+
+def host_requests_for(ctx: int, host_gib: float, kv_dtype: str = "auto") -> int:
+    """Requests of ``ctx`` tokens whose Qwen3-8B KV (in ``kv_dtype``) fits in ``host_gib`` GiB of
+    host tier. Raises ValueError (naming --host-gib) when not even one fits."""
+    per = kv_bytes_per_token(kv_dtype)
+    n = int(host_gib * 2**30 // (ctx * per))
     if n < 1:
         raise ValueError(f"--host-gib {host_gib:g} holds no request of {ctx} tokens "
-                         f"({ctx * QWEN3_8B_KV_BYTES_PER_TOKEN / 2**30:.2f} GiB of Qwen3-8B KV)")
+                         f"({ctx * per / 2**30:.2f} GiB of Qwen3-8B KV)")
     return n
 
 
@@ -126,11 +134,12 @@ def plan(suite: str, a) -> list[Run]:
     # oasis runs name their fetch cap (the config's default when --fetch-cap is not given), so
     # the fetch-cap run at the default cap is the 16K throughput run, measured once
     cap = a.fetch_cap if a.fetch_cap is not None else OasisConfig().fetch_cap
+    kvd = getattr(a, "kv_dtype", "auto")
     sysargs = lambda: a.systems or ["dense", "oasis"]  # noqa: E731
 
     def long_runs(ctxs, tag):
         for n in ctxs:
-            hr = host_requests_for(n + o + 64, a.host_gib)
+            hr = host_requests_for(n + o + 64, a.host_gib, kvd)
             for sy in sysargs():
                 b = hr if sy.startswith("oasis") else max(hr, a.dense_batch)
                 out.append(Run(f"{tag}/{n}/{sy}", sy, n, o, b, "80gb" if sy.startswith("dense") else "exact",
@@ -140,7 +149,7 @@ def plan(suite: str, a) -> list[Run]:
         long_runs(a.input_lens or [16384, 32768], "throughput")
     if suite == "fetch-cap":
         n = 16384
-        hr = host_requests_for(n + o + 64, a.host_gib)
+        hr = host_requests_for(n + o + 64, a.host_gib, kvd)
         for c in a.fetch_caps:
             out.append(Run(f"fetch-cap/{c}", "oasis", n, o, hr, "exact", c, hr))
     if suite in ("context", "all"):
@@ -150,7 +159,7 @@ def plan(suite: str, a) -> list[Run]:
             out.append(Run(f"short/1024/{sy}", sy, 1024, o, a.batch, "exact", None if sy.startswith("dense") else cap))
     if suite in ("stall", "all"):
         n = 16384
-        hr = host_requests_for(n + o + 64, a.host_gib)
+        hr = host_requests_for(n + o + 64, a.host_gib, kvd)
         if suite == "stall":
             out.append(Run(f"throughput/{n}/oasis", "oasis", n, o, hr, "exact", cap, hr))
         out.append(Run(f"stall/{n}/oasis-no-transfer", "oasis-no-transfer", n, o, hr, "exact", cap, hr))
@@ -158,10 +167,12 @@ def plan(suite: str, a) -> list[Run]:
         for sy in a.systems or ["oasis", "oasis-eagle3", "dense", "dense-eagle3"]:
             out.append(Run(f"paired/{a.input_len}/{sy}", sy, a.input_len, o, a.batch, "exact",
                            None if sy.startswith("dense") else cap))
-    if getattr(a, "churn", None):
-        import dataclasses
+    import dataclasses
 
+    if getattr(a, "churn", None):
         out = [dataclasses.replace(r, churn=str(a.churn)) if r.system.startswith("oasis") else r for r in out]
+    if kvd != "auto":
+        out = [dataclasses.replace(r, kv_dtype=kvd) for r in out]
     if suite == "all":       # the context sweep repeats the throughput runs at 16K and 32K: measure once
         seen, uniq = {}, []
         for r in out:
@@ -181,6 +192,8 @@ def system_args(run: Run, a) -> list[str]:
     args = ["--load-format", "dummy", "--attention-backend", "triton", "--sampling-backend", "pytorch",
             "--max-running-requests", str(run.batch), "--context-length", str(max(ctx, a.budget + 64)),
             "--log-level", "info", "--decode-log-interval", "10"]
+    if run.kv_dtype != "auto":
+        args += ["--kv-cache-dtype", run.kv_dtype]
     if run.pool == "80gb":
         args += ["--mem-fraction-static", str(DENSE_80GB_MEM_FRACTION)]
     else:
@@ -402,7 +415,7 @@ def run_one(run: Run, a, out: Path, srv=None) -> dict:
     field ``profile``, table ``profile_<run>.md``)."""
     base = {"key": run.key, "system": run.system, "input_len": run.input_len, "output_len": run.output_len,
             "batch": run.batch, "pool": run.pool, "fetch_cap": run.fetch_cap, "host_requests": run.host_requests,
-            "churn": run.churn, "date": time.strftime("%Y-%m-%d %H:%M")}
+            "churn": run.churn, "kv_dtype": run.kv_dtype, "date": time.strftime("%Y-%m-%d %H:%M")}
     t0 = time.time()
     own = srv is None
     if own:
@@ -500,7 +513,7 @@ def tables(results: list[dict], a) -> str:
     md = [f"Qwen3-8B-shaped dummy (random weights: speed only), H200; oasis budget {a.budget}, predictor "
           f"{a.predictor or 'default'}, {'eager' if a.eager else 'decode CUDA graphs'}; dense KV pool "
           f"--mem-fraction-static {DENSE_80GB_MEM_FRACTION} (80 GB GPU) where marked 80gb; oasis host tier "
-          f"{a.host_gib} GiB unless sized to the batch."
+          f"{a.host_gib} GiB unless sized to the batch; KV cache dtype {getattr(a, 'kv_dtype', 'auto')}."
           + (f" Oasis predictions replay the churn profile {a.churn} (OASIS_CHURN, core/churn.py)."
              if getattr(a, "churn", None) else " Random-weight churn (about the whole cap every step)."), ""]
     head = ("| run | most running | decode tok/s | step ms | output tok/s | TPOT ms | TTFT s | H2D MB/step | H2D GB/s | "
@@ -636,13 +649,14 @@ def load_results(jpath: Path) -> tuple[list[dict], dict]:
 NUMERIC_FIELDS = ("input_len", "output_len", "batch", "fetch_cap", "max_running", "decode_tok_s", "step_ms",
                   "output_tok_s", "median_tpot_ms", "median_ttft_ms", "h2d_mb_per_step", "h2d_gb_s", "hit_rate",
                   "admitted_per_head_step")
-RUN_FIELDS = ("system", "input_len", "output_len", "batch", "pool", "fetch_cap", "host_requests", "churn")
+RUN_FIELDS = ("system", "input_len", "output_len", "batch", "pool", "fetch_cap", "host_requests", "churn", "kv_dtype")
+RUN_DEFAULTS = {"kv_dtype": "auto"}      # fields results stored before the field existed were measured with
 
 
 def same_run(res: dict, run: Run) -> bool:
     """Whether a stored result measured ``run`` as planned now (same system, lengths, batch, pool,
     fetch cap and host tier), so ``--resume`` may skip it."""
-    return all(res.get(f) == getattr(run, f) for f in RUN_FIELDS)
+    return all(res.get(f, RUN_DEFAULTS.get(f)) == getattr(run, f) for f in RUN_FIELDS)
 
 
 def main() -> int:
@@ -669,6 +683,9 @@ def main() -> int:
                     help="oasis host tier, GiB of Qwen3-8B KV (pinned host memory; the H200 host has 128 GiB "
                          "and served a 95.4 GB tier, 41 requests of 16K, on 2026-12-02)")
     ap.add_argument("--budget", type=positive_int, default=2048, help="oasis budget_tokens")
+    ap.add_argument("--kv-dtype", default="auto", choices=KV_DTYPES,
+                    help="SGLang's --kv-cache-dtype for dense and oasis alike (fp8: half the bytes per token, so "
+                         "--host-gib holds twice the requests and the 80 GB dense pool twice the tokens)")
     ap.add_argument("--fetch-cap", type=positive_int, default=None, help="oasis fetch_cap (default: the config's)")
     ap.add_argument("--fetch-caps", type=positive_int, nargs="+", default=[1, 2, 4, 8, 16], help="fetch-cap suite values")
     ap.add_argument("--predictor", default="previous", choices=["previous", "lookahead", "current"],
@@ -747,7 +764,7 @@ def main() -> int:
     if (a.resume or a.plot_only) and jpath.exists():
         results, stored = load_results(jpath)
         if a.plot_only:                   # the table header describes the stored runs
-            for k in ("budget", "predictor", "eager", "host_gib", "churn"):
+            for k in ("budget", "predictor", "eager", "host_gib", "churn", "kv_dtype"):
                 if k in stored:
                     setattr(a, k, stored[k])
     if not a.plot_only:
@@ -762,7 +779,8 @@ def main() -> int:
             if old is not None and "error" not in old and same_run(old, r):
                 continue
             if old is not None and "error" not in old:
-                diff = {f: (old.get(f), getattr(r, f)) for f in RUN_FIELDS if old.get(f) != getattr(r, f)}
+                diff = {f: (old.get(f, RUN_DEFAULTS.get(f)), getattr(r, f)) for f in RUN_FIELDS
+                        if old.get(f, RUN_DEFAULTS.get(f)) != getattr(r, f)}
                 print(f"bench_oasis: --resume: {r.key} was measured with other settings {diff} (stored, planned): "
                       "measuring it again", file=sys.stderr)
             todo.append(r)

@@ -54,6 +54,11 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     return out.squeeze(0)[:, 0, :]
 
 
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """An 8-bit float tensor viewed as ``uint8`` (same bytes); any other tensor unchanged."""
+    return t.view(torch.uint8) if t.element_size() == 1 and t.dtype.is_floating_point else t
+
+
 def gather_working_set(ws_k: torch.Tensor, ws_v: torch.Tensor, ids: torch.Tensor, seq_len: int,
                        block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Resident tokens of one request, per KV head in position order.
@@ -71,8 +76,9 @@ def gather_working_set(ws_k: torch.Tensor, ws_v: torch.Tensor, ids: torch.Tensor
     order = torch.sort(key, dim=-1).indices
     sid = torch.gather(ids, -1, order)
     idx = order[..., None, None]
-    k = torch.gather(ws_k, 1, idx.expand(-1, -1, *ws_k.shape[2:]))
-    v = torch.gather(ws_v, 1, idx.expand(-1, -1, *ws_v.shape[2:]))
+    # fp8 KV: gathered as bytes (torch has no fp8 gather on the CPU)
+    k = torch.gather(_bytes(ws_k), 1, idx.expand(-1, -1, *ws_k.shape[2:])).view(ws_k.dtype)
+    v = torch.gather(_bytes(ws_v), 1, idx.expand(-1, -1, *ws_v.shape[2:])).view(ws_v.dtype)
     pos = sid[..., None] * block_size + torch.arange(block_size, device=ids.device)
     valid = (sid[..., None] >= 0) & (pos < seq_len)                 # [H, K, bs]
     cnt = valid.flatten(1).sum(-1)

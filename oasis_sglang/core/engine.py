@@ -40,6 +40,7 @@ from .bench_hooks import BenchHooks
 from .budget import TransferBudget
 from .checks import as_int, check_batch, check_rows, check_table, host_lists
 from .host_tier import HostTier
+from .kv_dtype import as_stored, summary_dtype
 from .ops import BaseKVOps, TorchKVOps
 from .prediction import PredictionRecord
 from .prefetch import PrefetchPipeline, get_predictor
@@ -59,7 +60,12 @@ class OasisSparseKV:
         num_layers: model layers; ``cfg.dense_layers`` are excluded, the rest are sparse.
         num_tokens: token locations of the KV pool (``size + page_size`` of SGLang's pool).
         num_rows: request rows (SGLang ``ReqToTokenPool`` size).
-        head_num, head_dim, v_head_dim: KV heads and head sizes; dtype: KV dtype.
+        head_num, head_dim, v_head_dim: KV heads and head sizes.
+        dtype: KV cache dtype (what the host tier and working set store: the model's dtype, or
+            ``torch.float8_e4m3fn`` / ``torch.float8_e5m2`` for SGLang's fp8 KV cache).
+        compute_dtype: the model's dtype, needed with an fp8 ``dtype``: the min/max key summaries
+            are kept in it, and the new tokens' K/V are attended as the fp8 cache holds them
+            (``core.kv_dtype``). Default: ``dtype``.
         device: where the working set and summaries live.
         ops: the kernels (``core.ops.BaseKVOps``); default the torch references. The glue
             passes ``oasis_sglang.kernels.get_kv_ops("triton")`` on CUDA.
@@ -70,6 +76,7 @@ class OasisSparseKV:
     Raises:
         OasisConfigError: a dense layer index is out of range; ``measure_agreement`` with a
             synchronous predictor.
+        ValueError: an fp8 ``dtype`` without ``compute_dtype``, or an fp8 ``compute_dtype``.
 
     ``bench`` (:class:`BenchHooks`) holds the benchmark / test switches; serving leaves them off.
     """
@@ -77,8 +84,9 @@ class OasisSparseKV:
     def __init__(self, cfg: OasisConfig, num_layers: int, num_tokens: int, num_rows: int,
                  head_num: int, head_dim: int, v_head_dim: int, dtype: torch.dtype,
                  device: torch.device | str, ops: BaseKVOps | None = None, predictor: str | None = None,
-                 padding_row: int | None = None):
+                 padding_row: int | None = None, compute_dtype: torch.dtype | None = None):
         cfg.check_model(num_layers)
+        sdtype = summary_dtype(dtype, compute_dtype)
         if predictor is None:
             predictor = "current" if cfg.predictor == "auto" else cfg.predictor
         self.predictor = get_predictor(predictor)
@@ -96,7 +104,8 @@ class OasisSparseKV:
         L = len(self.sparse_layers)
         self.host = HostTier(L, num_pages, self.bs, head_num, head_dim, v_head_dim, dtype, pin_memory=pin,
                              pin_device=self.device.index if pin else None)
-        self.summaries = KeySummaries(L, num_pages, head_num, head_dim, dtype, self.device)
+        self.kv_dtype = dtype
+        self.summaries = KeySummaries(L, num_pages, head_num, head_dim, sdtype, self.device)
         self.ws = WorkingSet(L, num_rows, head_num, cfg.budget_blocks, self.bs, head_dim, v_head_dim, dtype, self.device)
         self.stats = OasisStats()
         self._bench = BenchHooks()
@@ -122,16 +131,20 @@ class OasisSparseKV:
 
     @staticmethod
     def memory_plan(cfg: OasisConfig, num_layers: int, num_tokens: int, num_rows: int, head_num: int,
-                    head_dim: int, v_head_dim: int, dtype_bytes: int) -> dict:
+                    head_dim: int, v_head_dim: int, dtype_bytes: int, summary_dtype_bytes: int | None = None) -> dict:
         """Bytes the state will allocate, before allocating it.
 
+        Args: the constructor's sizes; ``dtype_bytes`` bytes per element of the KV cache dtype
+        (1 for fp8), ``summary_dtype_bytes`` of the summaries' (default ``dtype_bytes``; the
+        model's dtype with an fp8 KV cache).
         Returns ``{"working_set": device bytes, "summaries": device bytes, "host_tier": host bytes}``.
         """
+        sbytes = dtype_bytes if summary_dtype_bytes is None else summary_dtype_bytes
         L = num_layers - len([x for x in cfg.dense_layers if x < num_layers])
         pages = -(-num_tokens // cfg.block_size)
         return {
             "working_set": L * num_rows * head_num * cfg.budget_tokens * (head_dim + v_head_dim) * dtype_bytes,
-            "summaries": 2 * L * pages * head_num * head_dim * dtype_bytes,
+            "summaries": 2 * L * pages * head_num * head_dim * sbytes,
             "host_tier": L * pages * cfg.block_size * head_num * (head_dim + v_head_dim) * dtype_bytes,
         }
 
@@ -280,8 +293,9 @@ class OasisSparseKV:
             if k_new is None:
                 k, v = self.read_prefix(li, req_to_token[r], n, q.device)
             else:
-                k = k_new[start:start + ext].view(ext, self.head_num, self.head_dim)
-                v = v_new[start:start + ext].view(ext, self.head_num, self.v_head_dim)
+                # attended as the KV cache holds them (fp8: rounded, as SGLang's pool would)
+                k = as_stored(k_new[start:start + ext].view(ext, self.head_num, self.head_dim), self.kv_dtype)
+                v = as_stored(v_new[start:start + ext].view(ext, self.head_num, self.v_head_dim), self.kv_dtype)
                 if pre:
                     kp, vp = self.read_prefix(li, req_to_token[r], pre, k.device)
                     k, v = torch.cat([kp.to(k.dtype), k]), torch.cat([vp.to(v.dtype), v])
@@ -586,8 +600,10 @@ class OasisSparseKV:
             qq, kx, vx = q.view(B, 1, q.shape[1], q.shape[2]), None, None
         else:
             qq = torch.stack([q.view(B, q.shape[1], q.shape[2]), q_draft.view(B, q.shape[1], q.shape[2])], 1)
-            kx = k_draft.view(B, self.head_num, self.head_dim)
-            vx = v_draft.view(B, self.head_num, self.v_head_dim)
+            # the draft token's own K/V as the KV cache would hold them (SGLang's verify pass
+            # writes them to the pool before attending)
+            kx = as_stored(k_draft.view(B, self.head_num, self.head_dim), self.kv_dtype)
+            vx = as_stored(v_draft.view(B, self.head_num, self.v_head_dim), self.kv_dtype)
         out, _ = self.ops.sparse_decode_attention(qq, self.ws.k[li], self.ws.v[li], self.ws.ids[li], rows, seq,
                                                   scale, k_extra=kx, v_extra=vx)
         if self.predictor.asynchronous and not self.bench.skip_prefetch:

@@ -46,7 +46,8 @@ class BaseKVOps:
 
         Args:
             host_k / host_v: ``[H, P, bs, D/Dv]`` host tier of one layer.
-            kmin / kmax: ``[P, H, D]`` summaries of that layer.
+            kmin / kmax: ``[P, H, D]`` summaries of that layer (the model's dtype; with an fp8
+                host tier the keys are folded in as the tier holds them, ``core.kv_dtype``).
             loc: ``[N]`` int64 token locations (page = ``loc // bs``, offset ``loc % bs``), in
                 position order within each request (SGLang's ``out_cache_loc``).
             k: ``[N, H, D]``, v: ``[N, H, Dv]`` (cast to the tier dtype).
@@ -226,7 +227,8 @@ class TorchKVOps(BaseKVOps):
             page, off = loc_h // bs, loc_h % bs
             host_k[:, page, off] = k.to(host_k.device, host_k.dtype).transpose(0, 1)
             host_v[:, page, off] = v.to(host_v.device, host_v.dtype).transpose(0, 1)
-        kd = k.to(kmin.device, kmin.dtype)
+        # the keys as the host tier holds them (fp8: rounded), exact in the summaries' dtype
+        kd = k.to(kmin.device).to(host_k.dtype).to(kmin.dtype)
         page_d = torch.div(loc.to(kmin.device, torch.int64), bs, rounding_mode="floor")
         first = (loc.to(kmin.device, torch.int64) % bs) == 0
         kmin[page_d[first]] = kd[first]

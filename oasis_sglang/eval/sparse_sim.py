@@ -59,6 +59,7 @@ from torch.nn.functional import scaled_dot_product_attention
 
 from ..core.selection import quest_scores, select_blocks
 from ..core.budget import share_budget
+from ..core.kv_dtype import as_stored
 from ..core.working_set import budget_candidates, plan_admissions
 
 NAME = "oasis_sim"
@@ -100,6 +101,9 @@ class SimConfig:
         admissions: with ``fetch_cap``: ``{sparse layer: [missing, admitted, steps x KV heads]}``
             (filled): predicted non-resident blocks and blocks admitted, summed over decode steps
             after the first and KV heads.
+        kv_dtype: the KV cache dtype to simulate (``torch.float8_e4m3fn`` / ``torch.float8_e5m2``:
+            every layer, dense ones too, attends over ``core.kv_dtype.as_stored`` K / V, as SGLang's
+            fp8 KV cache and OasisKV's fp8 host tier hold them; ``None``: the model's dtype).
         working_sets: with ``fetch_cap``: ``{sparse layer: (ids [1, H, K], last_used [1, H, K])}``
             the carried block table (internal; each forward starts from an empty one, while
             ``admissions`` keeps summing over the forwards run under the config).
@@ -127,6 +131,7 @@ class SimConfig:
     step_budget: int | None = None
     admissions: dict = field(default_factory=dict)
     working_sets: dict = field(default_factory=dict)
+    kv_dtype: torch.dtype | None = None
 
     def __post_init__(self):
         if self.fetch_cap is not None and (isinstance(self.fetch_cap, bool) or not isinstance(self.fetch_cap, int)
@@ -207,6 +212,8 @@ def _attention(cfg: SimConfig, layer: int, query, key, value, scaling) -> torch.
     H = key.shape[1]
     G = Hq // H
     scale = scaling if scaling is not None else 1.0 / math.sqrt(D)
+    if cfg.kv_dtype is not None:          # what an fp8 KV cache holds (every layer)
+        key, value = as_stored(key, cfg.kv_dtype), as_stored(value, cfg.kv_dtype)
     if cfg.pass1 is not None:
         return _draft_attention(cfg, layer, query, key, value, scale)
     if cfg.record and B == 1:

@@ -16,6 +16,7 @@ import torch
 from ..config import OasisConfig, OasisConfigError
 from ..core import OasisSparseKV
 from ..core.bench_hooks import BenchHooks
+from ..core.kv_dtype import is_fp8, summary_dtype
 from .runtime import OasisRuntime
 
 logger = logging.getLogger(__name__)
@@ -26,7 +27,8 @@ def init_attention_backends_hook(result, model_runner, *args, **kwargs):
 
     Raises:
         OasisConfigError: an MLA/DSA model, a KV pool other than ``OasisKVPool`` (hybrid,
-            sliding-window or quantized KV), pipeline parallelism, or not enough memory.
+            sliding-window or quantized KV), pipeline parallelism, an fp8 KV cache with per-layer
+            KV scales other than 1, or not enough memory.
     """
     from .server_args import oasis_config
 
@@ -53,7 +55,12 @@ def init_attention_backends_hook(result, model_runner, *args, **kwargs):
     rtp = model_runner.req_to_token_pool
     dims = dict(num_layers=pool.layer_num, num_tokens=pool.size + pool.page_size, num_rows=rtp.req_to_token.shape[0],
                 head_num=pool.head_num, head_dim=pool.head_dim, v_head_dim=pool.v_head_dim)
-    check_memory(cfg, OasisSparseKV.memory_plan(cfg, **dims, dtype_bytes=torch.empty((), dtype=pool.dtype).element_size()),
+    compute_dtype = model_runner.dtype if is_fp8(pool.dtype) else None
+    if compute_dtype is not None:
+        check_kv_scales(model_runner.model, sa.kv_cache_dtype)
+    sdtype = summary_dtype(pool.dtype, compute_dtype)
+    check_memory(cfg, OasisSparseKV.memory_plan(cfg, **dims, dtype_bytes=torch.empty((), dtype=pool.dtype).element_size(),
+                                                summary_dtype_bytes=torch.empty((), dtype=sdtype).element_size()),
                  model_runner.device)
     from oasis_sglang.kernels import get_kv_ops
 
@@ -68,7 +75,7 @@ def init_attention_backends_hook(result, model_runner, *args, **kwargs):
         draft_match = spec_probe.draft_match
     # ReqToTokenPool never hands out row 0; decode CUDA graphs pad with it
     engine = OasisSparseKV(cfg, **dims, dtype=pool.dtype, device=model_runner.device, ops=ops, predictor=predictor,
-                           padding_row=0)
+                           padding_row=0, compute_dtype=compute_dtype)
     engine.bench = BenchHooks.from_env()
     runtime = OasisRuntime(engine)
     pool.oasis = engine
@@ -92,10 +99,10 @@ def init_attention_backends_hook(result, model_runner, *args, **kwargs):
     logger.info(
         "OasisKV: %s kernels, %s predictor, %d sparse / %d dense layers, budget %d tokens per request, layer and KV head "
         "(%d blocks of %d), request rows %d; device working set %.1f MiB, summaries %.1f MiB, "
-        "host tier %.1f MiB (%d tokens)",
+        "host tier %.1f MiB (%d tokens, KV cache %s)",
         ops.name, engine.predictor.name, len(engine.sparse_layers), len(cfg.dense_layers), cfg.budget_tokens, cfg.budget_blocks,
         cfg.block_size, engine.ws.R, engine.ws.nbytes / 2**20, engine.summaries.nbytes / 2**20,
-        engine.host.nbytes / 2**20, engine.host.capacity_tokens)
+        engine.host.nbytes / 2**20, engine.host.capacity_tokens, str(engine.kv_dtype).removeprefix("torch."))
     if engine.budget.fraction is not None:
         rate = engine.measure_link()
         if rate is not None:
@@ -105,6 +112,38 @@ def init_attention_backends_hook(result, model_runner, *args, **kwargs):
     elif engine.budget.enabled:
         logger.info("OasisKV: transfer budget %.1f MiB per decode step", cfg.transfer_budget / 2**20)
     return result
+
+
+def _scale(as_float, param) -> float | None:
+    """A layer's KV scale as a float (``None``: no scale): its ``*_scale_float``, else its one-element parameter."""
+    if as_float is not None:
+        return float(as_float)
+    if isinstance(param, torch.Tensor) and param.numel() == 1:
+        return float(param.detach().float().cpu())
+    return None if param is None else float("nan")      # a scale we cannot read is refused
+
+
+def check_kv_scales(model, kv_cache_dtype: str) -> None:
+    """Refuse an fp8 KV cache whose attention layers carry KV scales other than 1.
+
+    SGLang divides a new token's K / V by the layer's ``k_scale`` / ``v_scale`` (a checkpoint's
+    calibrated ``kv_scale``) before the fp8 cast and multiplies them back when attending
+    (``triton_backend.py``: ``k_descale = layer.k_scale_float``); OasisKV's kernels read fp8 as is
+    (``core/kv_dtype.py``), which is right only for the scale SGLang uses without calibration: none.
+
+    Args: model: the runner's ``torch.nn.Module``; kv_cache_dtype: the flag's value (for the message).
+    Raises:
+        OasisConfigError: naming the first such layer and its scales.
+    """
+    for name, m in model.named_modules():
+        if not hasattr(m, "k_scale_float"):          # RadixAttention and its kind
+            continue
+        kf, vf = (_scale(getattr(m, f"{x}_scale_float", None), getattr(m, f"{x}_scale", None)) for x in "kv")
+        if any(x is not None and x != 1.0 for x in (kf, vf)):
+            raise OasisConfigError(
+                f"--kv-cache-dtype {kv_cache_dtype}: layer {name} has KV scales k_scale={kf}, v_scale={vf} from the "
+                "checkpoint; --kv-sparse oasis serves fp8 KV caches without scales only (use a checkpoint without "
+                "kv_scale entries, or --kv-cache-dtype auto)")
 
 
 def check_memory(cfg: OasisConfig, plan: dict, device) -> None:

@@ -19,6 +19,8 @@ logger = logging.getLogger(__name__)
 SUPPORTED_ATTENTION_BACKENDS = ("torch_native", "triton", "intel_amx")   # intel_amx: CPU (EAGLE needs it there)
 DEFAULT_MAX_RUNNING_REQUESTS = 64
 PAIRED_FORWARD_ALGORITHMS = ("EAGLE3", "EAGLE", "STANDALONE", "NGRAM")   # NGRAM: model-free drafts
+# the KV cache dtypes served (core/kv_dtype.py): the model's, or SGLang's plain fp8 (no FP4 / MXFP8 quant methods)
+KV_CACHE_DTYPES = ("auto", "bfloat16", "bf16", "float16", "fp16", "fp8_e4m3", "fp8_e5m2")
 
 
 def oasis_config(server_args) -> OasisConfig | None:
@@ -151,8 +153,9 @@ def handle_kv_sparse_args(args) -> OasisConfig:
             elif val != want or type(val) is not int:
                 bad("--" + flag.replace("_", "-"), f"must be {want} (one draft token beside the normal one), got {val!r}")
     cfg.predictor_for(has_draft=bool(spec), model_free_draft=str(spec).upper() == "NGRAM")   # before loading
-    if str(getattr(args, "kv_cache_dtype", "auto")) not in ("auto", "bfloat16", "float16", "bf16", "fp16"):
-        bad("--kv-cache-dtype", f"{args.kv_cache_dtype!r} is not supported (auto, bfloat16 or float16)")
+    if str(getattr(args, "kv_cache_dtype", "auto")) not in KV_CACHE_DTYPES:
+        bad("--kv-cache-dtype", f"{args.kv_cache_dtype!r} is not supported with --kv-sparse oasis "
+            f"(one of {', '.join(KV_CACHE_DTYPES)})")
     for flag in ("enable_hierarchical_cache", "enable_hisparse", "enable_mixed_chunk", "enable_dp_attention",
                  "enable_torch_compile", "enable_pdmux"):
         if getattr(args, flag, False):

@@ -21,7 +21,7 @@ def _args(bench, *argv):
 
     return argparse.Namespace(systems=None, input_len=16384, input_lens=None, output_len=256, batch=8, dense_batch=32,
                            host_gib=72.0, budget=2048, fetch_cap=None, fetch_caps=[1, 2, 4, 8, 16],
-                           predictor="previous", eager=False, churn=None)
+                           predictor="previous", eager=False, churn=None, kv_dtype="auto")
 
 
 def test_all_plans_the_measurements_once(bench):
@@ -475,3 +475,34 @@ def test_list_prints_the_servers_that_would_start(bench, monkeypatch, tmp_path, 
     with pytest.raises(SystemExit) as e:
         _main(bench, monkeypatch, "--suite", "short", "--churn=", "--list")
     assert e.value.code == 2 and "--churn: empty" in capsys.readouterr().err
+
+
+def test_kv_dtype_fp8_doubles_the_host_tier_requests_and_reaches_every_server(bench, monkeypatch, tmp_path):
+    """--kv-dtype fp8_e4m3: every server gets SGLang's --kv-cache-dtype (dense like oasis), the
+    host tier holds twice the requests of bf16, and --resume re-measures runs stored in bf16."""
+    import json
+
+    a = _args(bench)
+    a.kv_dtype = "fp8_e4m3"
+    runs = {r.key: r for r in bench.plan("all", a)}
+    o8, o16 = runs["throughput/16384/oasis"], {r.key: r for r in bench.plan("all", _args(bench))}["throughput/16384/oasis"]
+    assert o8.kv_dtype == "fp8_e4m3" and o16.kv_dtype == "auto"
+    assert o8.host_requests == bench.host_requests_for(16384 + 256 + 64, 72.0, "fp8_e4m3") == 62 == 2 * o16.host_requests
+    for r in runs.values():
+        args = bench.system_args(r, a)
+        assert args[args.index("--kv-cache-dtype") + 1] == "fp8_e4m3", r.key
+    assert "--kv-cache-dtype" not in bench.system_args(o16, _args(bench))
+    calls = _fake_runs(bench, monkeypatch)
+    out = str(tmp_path)
+    assert _main(bench, monkeypatch, "--suite", "short", "--out", out) == 0
+    rows = json.loads((tmp_path / "bench_oasis.json").read_text())["results"]
+    for r in rows:                       # results stored before the field existed were bf16 ("auto")
+        del r["kv_dtype"]
+    (tmp_path / "bench_oasis.json").write_text(json.dumps({"args": {}, "results": rows}))
+    assert _main(bench, monkeypatch, "--suite", "short", "--out", out, "--resume") == 0
+    assert calls == ["short/1024/dense", "short/1024/oasis"], "a stored run without kv_dtype is a bf16 run"
+    assert _main(bench, monkeypatch, "--suite", "short", "--out", out, "--resume", "--kv-dtype", "fp8_e5m2") == 0
+    assert calls[2:] == ["short/1024/dense", "short/1024/oasis"]
+    assert "KV cache dtype fp8_e5m2" in (tmp_path / "bench_oasis.md").read_text()
+    with pytest.raises(SystemExit):
+        _main(bench, monkeypatch, "--suite", "short", "--kv-dtype", "fp4")

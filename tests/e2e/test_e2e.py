@@ -200,6 +200,7 @@ def test_overlong_prompt_gets_400_and_server_keeps_serving(oasis_512, tok):
     (["--kv-sparse", "oasis", "--kv-sparse-config", '{"budget_tokens": 500}'], "budget_tokens"),
     (["--kv-sparse", "oasis", "--page-size", "4"], "--page-size"),
     (["--kv-sparse", "oasis", "--attention-backend", "flashinfer"], "--attention-backend"),
+    (["--kv-sparse", "oasis", "--kv-cache-dtype", "fp4_e2m1"], "--kv-cache-dtype"),
 ])
 def test_bad_flags_fail_at_startup_naming_the_key(model, extra, needle_text):
     args = [a for a in base_args() if a not in ("--attention-backend", "torch_native")] if "--attention-backend" in extra else base_args()

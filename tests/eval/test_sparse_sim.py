@@ -282,3 +282,21 @@ def test_ngram_drafter_continues_a_periodic_sequence():
     ids = [1, 2, 3, 9, 7, 3, 4, 2, 3, 5, 1, 2, 3]
     assert sparse_sim.ngram_drafts(ids, len(ids) - 1, len(ids)) == [9]
     assert sparse_sim.ngram_drafts([3, 1, 5, 3, 2, 6, 0, 3], 7, 8) == [2]    # (3,) seen at 0 and 3: the later
+
+
+@pytest.mark.parametrize("kv", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_an_fp8_kv_cache_attends_over_rounded_keys_and_values_in_every_layer(seed, kv):
+    """``kv_dtype``: dense layers and the prefill attend over fp8-rounded K/V (SGLang's fp8 pool),
+    and a sparse run whose budget covers the context equals that dense run."""
+    from oasis_sglang.core.kv_dtype import as_stored
+
+    H, G, T, D, P = 2, 2, 40, 16, 30
+    q, k, v = torch.randn(1, H * G, T, D), torch.randn(1, H, T, D), torch.randn(1, H, T, D)
+    want = scaled_dot_product_attention(q, as_stored(k, kv), as_stored(v, kv), is_causal=True, enable_gqa=True)
+    plain = scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    for budget, layer in ((None, 3), (64, 0), (64, 3)):          # dense run, a dense layer, a covering budget
+        cfg = sparse_sim.SimConfig(prefix_len=P, budget_tokens=budget, block_size=8, kv_dtype=kv)
+        with sparse_sim.simulate(cfg):
+            out, _ = sparse_sim.oasis_sim_attention(types.SimpleNamespace(layer_idx=layer), q, k, v, None)
+        assert torch.allclose(out, want.transpose(1, 2), atol=1e-5), (budget, layer)
+        assert not torch.allclose(out, plain.transpose(1, 2), atol=1e-3), "fp8 rounding changes the output"

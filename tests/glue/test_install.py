@@ -56,10 +56,10 @@ def plain_args(model, restore_env):
     return ServerArgs(model_path=model, device="cpu")
 
 
-def _runner(server_args, pool_cls=OasisKVPool, layers=3, start_layer=None, **extra):
+def _runner(server_args, pool_cls=OasisKVPool, layers=3, start_layer=None, kv_dtype=torch.float32, **extra):
     """What the hook reads of a ModelRunner after SGLang's init_attention_backends."""
     kw = dict(oasis_cfg=OasisConfig.from_json(server_args.kv_sparse_config)) if pool_cls is OasisKVPool else {}
-    pool = pool_cls(size=64, page_size=4, dtype=torch.float32, head_num=2, head_dim=16, layer_num=layers,
+    pool = pool_cls(size=64, page_size=4, dtype=kv_dtype, head_num=2, head_dim=16, layer_num=layers,
                     device="cpu", enable_memory_saver=False, start_layer=start_layer, **kw)
     rtp = ReqToTokenPool(size=4, max_context_len=64, device="cpu", enable_memory_saver=False)
     mr = SimpleNamespace(server_args=server_args, device="cpu", token_to_kv_pool=pool, req_to_token_pool=rtp,
@@ -92,6 +92,26 @@ def test_the_hook_builds_the_engine_and_wraps_the_backends(oasis_args, monkeypat
     be = mr.attn_backend
     assert be.runtime is rtp._oasis and be.pool is pool and be.req_to_token_pool is rtp and be.engine is eng
     assert be.log.engine is eng and be.log.interval == oasis_args.decode_log_interval and be.log.metrics is None
+
+
+@pytest.mark.parametrize("kv", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_the_hook_builds_an_fp8_engine_and_refuses_kv_scales(oasis_args, kv):
+    """SGLang's fp8 pool (uint8 storage, fp8 dtype): host tier and working set in fp8, summaries
+    in the model's dtype; a layer with a checkpoint KV scale other than 1 is refused by name."""
+    from sglang.srt.layers.radix_attention import RadixAttention
+
+    model = torch.nn.ModuleDict({"attn": RadixAttention(4, 16, 0.25, 2, 1)})
+    mr = _runner(oasis_args, kv_dtype=kv, dtype=torch.bfloat16, model=model)
+    assert mr.token_to_kv_pool.store_dtype == torch.uint8
+    init_attention_backends_hook(None, mr)
+    eng = mr.token_to_kv_pool.oasis
+    assert eng.host.dtype == eng.ws.k[0].dtype == eng.kv_dtype == kv and eng.summaries.kmin[0].dtype == torch.bfloat16
+    assert eng.block_bytes == 4 * (16 + 16)              # 1 byte per element: half the bf16 bytes per block
+    model.attn.k_scale_float = model.attn.v_scale_float = 1.0           # no-op scales are served
+    init_attention_backends_hook(None, _runner(oasis_args, kv_dtype=kv, dtype=torch.bfloat16, model=model))
+    model.attn.k_scale, model.attn.k_scale_float = torch.nn.Parameter(torch.tensor(0.5)), 0.5
+    with pytest.raises(OasisConfigError, match=r"--kv-cache-dtype .*layer attn has KV scales k_scale=0.5"):
+        init_attention_backends_hook(None, _runner(oasis_args, kv_dtype=kv, dtype=torch.bfloat16, model=model))
 
 
 def test_the_hook_applies_oasis_ablate(oasis_args, monkeypatch):

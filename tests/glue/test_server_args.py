@@ -60,7 +60,8 @@ def test_oasis_sets_dependent_defaults(model, monkeypatch):
      "--speculative-draft-attention-backend"),
     (dict(enable_mixed_chunk=True), "--enable-mixed-chunk"),
     (dict(enable_pdmux=True), "--enable-pdmux"),
-    (dict(kv_cache_dtype="fp8_e4m3"), "--kv-cache-dtype"),
+    (dict(kv_cache_dtype="fp4_e2m1"), "--kv-cache-dtype"),
+    (dict(kv_cache_dtype="mxfp8"), "--kv-cache-dtype"),
 ])
 def test_bad_combinations_name_the_flag(model, kw, key):
     with pytest.raises(OasisConfigError, match=key):
@@ -78,6 +79,11 @@ def test_bad_combinations_name_the_flag(model, kw, key):
 def test_model_dependent_checks_fail_before_loading(model, kw, key):
     with pytest.raises(OasisConfigError, match=key):
         make(model, kv_sparse="oasis", **kw)
+
+
+@pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2", "bf16", "auto"])
+def test_plain_kv_cache_dtypes_are_served(model, kv):
+    assert make(model, kv_sparse="oasis", kv_cache_dtype=kv).kv_cache_dtype == kv
 
 
 def test_config_without_oasis_is_an_error(model):
