@@ -24,7 +24,7 @@ case $stage in
   1)
     bash .gpuhost/kit/install.sh .gpuhost/whl1; cp .gpuhost/c1/part /tmp/ch/p1
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-    PYTHONPATH=$PWD python3 -m pytest -q -rs -p no:cacheprovider tests/kernels/test_kernels.py tests/core/test_engine.py tests/core/test_prefetch.py "$@" 2>&1 | tee ${OUT:-/tmp}/gpu_kernels.log
+    PYTHONPATH=$PWD python3 -m pytest -q -rs -p no:cacheprovider tests/kernels/test_kernels.py tests/kernels/test_fp8.py tests/core/test_engine.py tests/core/test_prefetch.py "$@" 2>&1 | tee ${OUT:-/tmp}/gpu_kernels.log
     # exact CUDA kernel count of a graph-mode decode step at Qwen3-8B head shapes (profiler)
     PYTHONPATH=$PWD python3 scripts/count_launches.py --batch 32 --context 2048 --budget 2048 --layers 4 \
       --kv-heads 8 --group 4 --head-dim 128 --out ${OUT:-/tmp}/count_launches || true

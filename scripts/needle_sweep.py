@@ -33,7 +33,7 @@ def main() -> int:
     p.add_argument("--oasis", action="append", default=[], help="a --kv-sparse-config JSON (repeatable)")
     p.add_argument("--kv-dtypes", default="auto", help="comma-separated SGLang --kv-cache-dtype values (auto, "
                    "fp8_e4m3, fp8_e5m2): each config is served with each")
-    p.add_argument("--port", type=int, default=30600)
+    p.add_argument("--port", type=int, default=0, help="server port (default 0: a free one for each server)")
     p.add_argument("--out", type=Path, default=ROOT / "out" / "needle_sweep")
     a = p.parse_args()
     kv_dtypes = [x.strip() for x in a.kv_dtypes.split(",") if x.strip()]

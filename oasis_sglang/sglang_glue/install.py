@@ -55,13 +55,19 @@ def init_attention_backends_hook(result, model_runner, *args, **kwargs):
     rtp = model_runner.req_to_token_pool
     dims = dict(num_layers=pool.layer_num, num_tokens=pool.size + pool.page_size, num_rows=rtp.req_to_token.shape[0],
                 head_num=pool.head_num, head_dim=pool.head_dim, v_head_dim=pool.v_head_dim)
+    # tensor parallelism: each rank serves its own KV heads (the pool's tp_k_head_num) with its own
+    # engine, no collective; rank 0 writes the log lines and the metrics (its heads' counters)
+    ps = getattr(model_runner, "ps", None) or model_runner            # SGLang 0.5.17: ModelRunner.ps.tp_rank
+    tp_rank, tp_size = int(getattr(ps, "tp_rank", 0) or 0), int(getattr(ps, "tp_size", 1) or 1)
+    first = tp_rank == 0
+    host_ranks = max(1, tp_size // max(1, int(getattr(sa, "nnodes", 1) or 1)))     # ranks whose host tiers share this host
     compute_dtype = model_runner.dtype if is_fp8(pool.dtype) else None
     if compute_dtype is not None:
         check_kv_scales(model_runner.model, sa.kv_cache_dtype)
     sdtype = summary_dtype(pool.dtype, compute_dtype)
     check_memory(cfg, OasisSparseKV.memory_plan(cfg, **dims, dtype_bytes=torch.empty((), dtype=pool.dtype).element_size(),
                                                 summary_dtype_bytes=torch.empty((), dtype=sdtype).element_size()),
-                 model_runner.device)
+                 model_runner.device, host_ranks=host_ranks)
     from oasis_sglang.kernels import get_kv_ops
 
     ops = get_kv_ops(cfg.kernel_backend(torch.device(model_runner.device).type))
@@ -80,7 +86,8 @@ def init_attention_backends_hook(result, model_runner, *args, **kwargs):
     runtime = OasisRuntime(engine)
     pool.oasis = engine
     rtp._oasis = runtime
-    log = DecodeLog(engine, getattr(sa, "decode_log_interval", 40) or 40, make_metrics(sa), draft_match)
+    log = DecodeLog(engine, getattr(sa, "decode_log_interval", 40) or 40, make_metrics(sa) if first else None,
+                    draft_match, emit=first)
     wrapped = {}
 
     def wrap(b):
@@ -96,20 +103,23 @@ def init_attention_backends_hook(result, model_runner, *args, **kwargs):
     group = getattr(model_runner, "decode_attn_backend_group", None)
     if group:
         model_runner.decode_attn_backend_group = [wrap(b) for b in group]
-    logger.info(
-        "OasisKV: %s kernels, %s predictor, %d sparse / %d dense layers, budget %d tokens per request, layer and KV head "
-        "(%d blocks of %d), request rows %d; device working set %.1f MiB, summaries %.1f MiB, "
-        "host tier %.1f MiB (%d tokens, KV cache %s)",
-        ops.name, engine.predictor.name, len(engine.sparse_layers), len(cfg.dense_layers), cfg.budget_tokens, cfg.budget_blocks,
-        cfg.block_size, engine.ws.R, engine.ws.nbytes / 2**20, engine.summaries.nbytes / 2**20,
-        engine.host.nbytes / 2**20, engine.host.capacity_tokens, str(engine.kv_dtype).removeprefix("torch."))
+    if first:
+        logger.info(
+            "OasisKV: %s kernels, %s predictor, %d sparse / %d dense layers, budget %d tokens per request, layer and KV "
+            "head (%d blocks of %d), request rows %d; device working set %.1f MiB, summaries %.1f MiB, "
+            "host tier %.1f MiB (%d tokens, KV cache %s)%s",
+            ops.name, engine.predictor.name, len(engine.sparse_layers), len(cfg.dense_layers), cfg.budget_tokens,
+            cfg.budget_blocks, cfg.block_size, engine.ws.R, engine.ws.nbytes / 2**20, engine.summaries.nbytes / 2**20,
+            engine.host.nbytes / 2**20, engine.host.capacity_tokens, str(engine.kv_dtype).removeprefix("torch."),
+            "" if tp_size == 1 else f"; per TP rank: {tp_size} ranks, {engine.head_num} KV head(s) each, "
+            "the decode lines and metrics are rank 0's")
     if engine.budget.fraction is not None:
         rate = engine.measure_link()
-        if rate is not None:
+        if rate is not None and first:
             logger.info("OasisKV: transfer budget %s: admission copies measured at %.1f GB/s host to device; a step "
                         "may admit %.2f of what the link moves during it (sized from the decode step time, "
                         "at each OasisKV decode line)", cfg.transfer_budget, rate / 1e9, engine.budget.fraction)
-    elif engine.budget.enabled:
+    elif engine.budget.enabled and first:
         logger.info("OasisKV: transfer budget %.1f MiB per decode step", cfg.transfer_budget / 2**20)
     return result
 
@@ -146,11 +156,13 @@ def check_kv_scales(model, kv_cache_dtype: str) -> None:
                 "kv_scale entries, or --kv-cache-dtype auto)")
 
 
-def check_memory(cfg: OasisConfig, plan: dict, device) -> None:
+def check_memory(cfg: OasisConfig, plan: dict, device, host_ranks: int = 1) -> None:
     """Refuse to start when the OasisKV state cannot fit, naming the flags that size it.
 
     Args:
-        plan: ``OasisSparseKV.memory_plan`` (bytes). device: the model runner's device.
+        plan: ``OasisSparseKV.memory_plan`` (bytes) of this rank. device: the model runner's device.
+        host_ranks: TP ranks on this host, each allocating such a plan in host memory (they
+            start together, so each checks all of them against what is available now).
     Raises:
         OasisConfigError: working set + summaries exceed free device memory, or the host tier
             exceeds available host memory (on CPU, all three count against host memory).
@@ -159,16 +171,18 @@ def check_memory(cfg: OasisConfig, plan: dict, device) -> None:
 
     host_free = psutil.virtual_memory().available
     dev = torch.device(device)
+    n = max(1, int(host_ranks))
     if dev.type == "cuda":
         dev_free = torch.cuda.mem_get_info(dev)[0]
-        host_need = plan["host_tier"]
+        host_need = n * plan["host_tier"]
     else:   # CPU: everything lives in host memory
-        dev_free, host_need = host_free, plan["host_tier"] + plan["working_set"] + plan["summaries"]
+        dev_free, host_need = host_free, n * (plan["host_tier"] + plan["working_set"] + plan["summaries"])
     gib = lambda b: f"{b / 2**30:.2f} GiB"  # noqa: E731
     if plan["working_set"] + plan["summaries"] > dev_free or host_need > host_free:
         raise OasisConfigError(
             f"--kv-sparse oasis: not enough memory: device working set {gib(plan['working_set'])} "
             f"(budget_tokens={cfg.budget_tokens} x --max-running-requests rows), summaries "
-            f"{gib(plan['summaries'])} and host tier {gib(plan['host_tier'])} (--max-total-tokens) vs "
-            f"{gib(dev_free)} free on {dev.type} and {gib(host_free)} host memory available; lower "
+            f"{gib(plan['summaries'])} and host tier {gib(plan['host_tier'])} (--max-total-tokens)"
+            + (f", per TP rank, {n} ranks on this host" if n > 1 else "")
+            + f" vs {gib(dev_free)} free on {dev.type} and {gib(host_free)} host memory available; lower "
             f"budget_tokens, --max-running-requests or --max-total-tokens")

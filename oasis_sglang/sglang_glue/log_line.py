@@ -104,11 +104,14 @@ class DecodeLog:
         engine: the ``OasisSparseKV``. interval: decode steps between lines (>= 1).
         metrics: ``metrics.OasisMetrics`` or ``None``.
         draft_match: callable returning ``(matches, drafts)`` or ``None`` (``spec_probe``).
+        emit: write the line and update ``metrics``; ``False`` on TP ranks other than 0 (one
+            line per server; their step budget is still resized at each due line).
     """
 
-    def __init__(self, engine, interval: int = 40, metrics=None, draft_match=None):
+    def __init__(self, engine, interval: int = 40, metrics=None, draft_match=None, emit: bool = True):
         self.engine, self.interval, self.metrics = engine, max(1, int(interval)), metrics
         self.draft_match = draft_match
+        self.emit = emit
         self._logged_step = -1
         self._mark: tuple[float, int, int] | None = None    # (time, decode steps, admitted blocks) at the last line
 
@@ -125,6 +128,8 @@ class DecodeLog:
         self._logged_step = self.engine.stats.decode_steps
         r = self.engine.residency()          # (a host sync: the steps so far are done)
         self._observe_step_time(r["admitted_blocks"])
+        if not self.emit:
+            return
         r["draft_match"] = self.draft_match() if self.draft_match is not None else None
         logger.info(format_residency(r))
         if self.metrics is not None:

@@ -162,9 +162,11 @@ def handle_kv_sparse_args(args) -> OasisConfig:
             bad("--" + flag.replace("_", "-"), "cannot be combined")
     if getattr(args, "disaggregation_mode", "null") not in (None, "null"):
         bad("--disaggregation-mode", "is not supported yet (PD disaggregation is a later milestone)")
-    for flag in ("tp_size", "pp_size", "dp_size"):
+    for flag in ("pp_size", "dp_size"):
         if getattr(args, flag, 1) not in (None, 1):
             bad("--" + flag.replace("_", "-"), "must be 1 for now")
+    if cpu and (getattr(args, "tp_size", 1) or 1) > 1:
+        _cpu_tp_env(int(args.tp_size))
     if args.max_running_requests is not None and args.max_running_requests < 1:
         bad("--max-running-requests", f"must be >= 1, got {args.max_running_requests}")
     cps = getattr(args, "chunked_prefill_size", None)
@@ -334,6 +336,38 @@ def _check_cpu_ops() -> None:
                            f"{str(e).strip().splitlines()[0] if str(e).strip() else e!r}); {hint}") from None
 
 
+def _cpu_tp_env(tp: int) -> None:
+    """The environment SGLang's CPU engine needs for ``--tp N`` (set only where the user left it unset).
+
+    ``SGLANG_NCCL_SO_PATH``: pynccl loads the venv's NCCL and calls ``torch.cuda.device`` on a
+    CPU host; a path to no library makes SGLang skip it (the CPU engine's collectives are gloo's).
+    ``SGLANG_CPU_OMP_THREADS_BIND``: the CPU engine binds each rank's OpenMP threads from NUMA
+    nodes, which a host with fewer nodes than ranks cannot give: cores split evenly over the
+    ranks, or round-robin one core each when there are fewer cores than ranks.
+    """
+    if "SGLANG_NCCL_SO_PATH" not in os.environ:
+        os.environ["SGLANG_NCCL_SO_PATH"] = "/nonexistent/oasis-sglang-cpu/libnccl.so"
+        logger.info("OasisKV: SGLANG_NCCL_SO_PATH set to no library (the CPU engine's --tp runs on gloo)")
+    if "SGLANG_CPU_OMP_THREADS_BIND" not in os.environ:
+        os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(tp, os.cpu_count() or 1)
+        logger.info("OasisKV: SGLANG_CPU_OMP_THREADS_BIND=%s (--tp %d on %d cores)",
+                    os.environ["SGLANG_CPU_OMP_THREADS_BIND"], tp, os.cpu_count() or 1)
+
+
+def cpu_thread_binding(tp: int, cores: int) -> str:
+    """``SGLANG_CPU_OMP_THREADS_BIND`` for ``tp`` ranks on ``cores`` cores: ``"a-b|c-d|..."``.
+
+    Raises:
+        ValueError: ``tp`` or ``cores`` below 1.
+    """
+    if tp < 1 or cores < 1:
+        raise ValueError(f"cpu_thread_binding: tp {tp} and cores {cores} must be >= 1")
+    if cores < tp:
+        return "|".join(str(r % cores) for r in range(tp))
+    per = cores // tp
+    return "|".join(f"{r * per}-{(r + 1) * per - 1}" if per > 1 else str(r) for r in range(tp))
+
+
 def _check_model(args, cfg: OasisConfig) -> None:
     """Check ``dense_layers`` and ``budget_tokens`` against the model's config, when it is local.
 
@@ -351,6 +385,14 @@ def _check_model(args, cfg: OasisConfig) -> None:
     except Exception:  # noqa: BLE001 - remote or exotic configs are checked again at model load
         return
     cfg.check_model(layers)
+    tp = int(getattr(args, "tp_size", 1) or 1)
+    heads = int(getattr(hf, "num_attention_heads", 0) or 0)
+    kv = int(getattr(hf, "num_key_value_heads", 0) or heads)
+    if tp > 1 and heads and (heads % tp or (kv % tp and tp % kv)):
+        # each TP rank serves whole KV heads (SGLang's tp_k_head_num; replicated when tp > KV heads)
+        raise OasisConfigError(f"--kv-sparse oasis: --tp-size {tp} does not split the model's {heads} attention heads "
+                               f"and {kv} KV heads over whole heads per rank (use a divisor of {math.gcd(heads, kv)}, "
+                               f"or a multiple of {kv} that divides {heads})")
     if len(cfg.dense_layers) >= layers:
         raise OasisConfigError(f"kv_sparse_config: 'dense_layers' covers all {layers} layers: nothing is sparse "
                                f"(use --kv-sparse none)")

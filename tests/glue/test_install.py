@@ -43,6 +43,17 @@ def test_check_memory_refuses_a_plan_that_does_not_fit_naming_the_flags(part):
     assert f"{BIG / 2**30:.2f} GiB" in msg and "free on cpu" in msg
 
 
+def test_check_memory_counts_every_tp_rank_on_the_host():
+    """TP ranks start together: each checks all ranks' host tiers against what is available."""
+    import psutil
+
+    half = psutil.virtual_memory().available // 2
+    plan = {"working_set": 0, "summaries": 0, "host_tier": half - 2**20}
+    assert check_memory(CFG, plan, "cpu", host_ranks=1) is None
+    with pytest.raises(OasisConfigError, match="per TP rank, 3 ranks on this host"):
+        check_memory(CFG, plan, "cpu", host_ranks=3)
+
+
 # ---- init_attention_backends_hook ----------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -112,6 +123,28 @@ def test_the_hook_builds_an_fp8_engine_and_refuses_kv_scales(oasis_args, kv):
     model.attn.k_scale, model.attn.k_scale_float = torch.nn.Parameter(torch.tensor(0.5)), 0.5
     with pytest.raises(OasisConfigError, match=r"--kv-cache-dtype .*layer attn has KV scales k_scale=0.5"):
         init_attention_backends_hook(None, _runner(oasis_args, kv_dtype=kv, dtype=torch.bfloat16, model=model))
+
+
+def test_under_tp_each_rank_builds_its_engine_and_only_rank_0_writes_lines(oasis_args, caplog):
+    """The pool holds this rank's KV heads (tp_k_head_num): the engine is built on them; rank 0
+    writes the start-up and decode lines and owns the metrics, the others stay quiet."""
+    import logging
+
+    engines = []
+    for rank in (0, 1):
+        mr = _runner(oasis_args, ps=SimpleNamespace(tp_rank=rank, tp_size=2))     # ModelRunner.ps (0.5.17)
+        with caplog.at_level(logging.INFO, logger="oasis_sglang.sglang_glue.install"):
+            caplog.clear()
+            init_attention_backends_hook(None, mr)
+        eng, log = mr.token_to_kv_pool.oasis, mr.attn_backend.log
+        engines.append(eng)
+        assert eng.head_num == mr.token_to_kv_pool.head_num == 2
+        assert log.emit == (rank == 0)
+        started = [r.message for r in caplog.records if "OasisKV:" in r.message and "kernels" in r.message]
+        assert (len(started), rank) in ((1, 0), (0, 1))
+        if rank == 0:
+            assert "per TP rank: 2 ranks, 2 KV head(s) each" in started[0]
+    assert engines[0] is not engines[1] and engines[0].host.k[0].data_ptr() != engines[1].host.k[0].data_ptr()
 
 
 def test_the_hook_applies_oasis_ablate(oasis_args, monkeypatch):

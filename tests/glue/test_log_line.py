@@ -252,3 +252,23 @@ def test_an_interval_spanning_a_prefill_cannot_raise_the_step_time(seed, monkeyp
     assert eng.budget.step_s == pytest.approx(0.004), "lower is taken (the prefill only inflates)"
     step(0.020)
     assert eng.budget.step_s == pytest.approx(0.020), "a plain interval moves it either way"
+
+
+def test_a_quiet_rank_writes_nothing_but_still_sizes_its_budget(seed, caplog):
+    """TP ranks other than 0 (``emit=False``): no line, no metrics update, the budget resized as on rank 0."""
+    class Sink:
+        def update(self, r):
+            raise AssertionError("a quiet rank updated the metrics")
+
+    cfg = OasisConfig(budget_tokens=16, block_size=BS, dense_layers=(0,), predictor="previous", transfer_budget=0.5)
+    eng = OasisSparseKV(cfg, 3, 256, 5, H, D, D, torch.float32, "cpu")
+    eng.budget.set_link_rate(1e9)
+    log = DecodeLog(eng, interval=1, metrics=Sink(), emit=False)
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    run = Driver(eng)
+    run.prefill([1, 2], 30)
+    for _ in range(3):
+        run.decode([1, 2])
+        log.maybe_log()
+    assert not [r for r in caplog.records if r.name == LOGGER]
+    assert eng.budget.step_s is not None and eng.budget.step_s > 0 and log._logged_step == eng.stats.decode_steps

@@ -86,6 +86,30 @@ def test_plain_kv_cache_dtypes_are_served(model, kv):
     assert make(model, kv_sparse="oasis", kv_cache_dtype=kv).kv_cache_dtype == kv
 
 
+def test_tp_must_give_each_rank_whole_heads(model):
+    """SmolLM2: 9 attention heads, 3 KV heads: --tp 3 (one KV head per rank) and 9 (a replicated
+    KV head per rank) are served, 2 is refused naming the flag."""
+    with pytest.raises(OasisConfigError, match=r"--tp-size 2 does not split the model's 9 attention heads and 3 KV"):
+        make(model, kv_sparse="oasis", tp_size=2)
+
+
+def test_cpu_tp_sets_sglangs_cpu_environment_unless_the_user_did(model, monkeypatch):
+    from oasis_sglang.sglang_glue.server_args import cpu_thread_binding
+
+    monkeypatch.delenv("SGLANG_NCCL_SO_PATH", raising=False)
+    monkeypatch.setenv("SGLANG_CPU_OMP_THREADS_BIND", "0-1|0-1|0-1")
+    a = make(model, kv_sparse="oasis", tp_size=3)
+    assert a.tp_size == 3
+    assert os.environ["SGLANG_NCCL_SO_PATH"].endswith("libnccl.so") and not os.path.exists(os.environ["SGLANG_NCCL_SO_PATH"])
+    assert os.environ["SGLANG_CPU_OMP_THREADS_BIND"] == "0-1|0-1|0-1", "a user's binding is kept"
+    monkeypatch.delenv("SGLANG_CPU_OMP_THREADS_BIND")
+    make(model, kv_sparse="oasis", tp_size=3)
+    assert os.environ["SGLANG_CPU_OMP_THREADS_BIND"] == cpu_thread_binding(3, os.cpu_count())
+    assert cpu_thread_binding(3, 2) == "0|1|0" and cpu_thread_binding(2, 8) == "0-3|4-7" and cpu_thread_binding(3, 3) == "0|1|2"
+    with pytest.raises(ValueError, match="tp 0"):
+        cpu_thread_binding(0, 4)
+
+
 def test_config_without_oasis_is_an_error(model):
     with pytest.raises(OasisConfigError, match="--kv-sparse oasis"):
         make(model, kv_sparse_config='{"budget_tokens": 512}')
