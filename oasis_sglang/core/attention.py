@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch.nn.functional import scaled_dot_product_attention
 
+from .kv_dtype import is_fp8
+
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_len: int,
                       scale: float | None) -> torch.Tensor:
@@ -55,8 +57,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
-    """An 8-bit float tensor viewed as ``uint8`` (same bytes); any other tensor unchanged."""
-    return t.view(torch.uint8) if t.element_size() == 1 and t.dtype.is_floating_point else t
+    """An fp8 tensor (``core.kv_dtype.is_fp8``) viewed as ``uint8`` (same bytes); any other unchanged."""
+    return t.view(torch.uint8) if is_fp8(t.dtype) else t
 
 
 def gather_working_set(ws_k: torch.Tensor, ws_v: torch.Tensor, ids: torch.Tensor, seq_len: int,
