@@ -171,8 +171,8 @@ def plan(suite: str, a) -> list[Run]:
 
     if getattr(a, "churn", None):
         out = [dataclasses.replace(r, churn=str(a.churn)) if r.system.startswith("oasis") else r for r in out]
-    if kvd != "auto":
-        out = [dataclasses.replace(r, kv_dtype=kvd) for r in out]
+    if kvd != "auto":       # its own keys: an fp8 run never replaces a stored bf16 one (--resume) or meets its dense
+        out = [dataclasses.replace(r, kv_dtype=kvd, key=f"{r.key}@{kvd}") for r in out]
     if suite == "all":       # the context sweep repeats the throughput runs at 16K and 32K: measure once
         seen, uniq = {}, []
         for r in out:
@@ -499,12 +499,15 @@ def suite_rows(results: list[dict], suite: str) -> list[dict]:
 
 
 def _dense_of(r: dict, by: dict) -> dict | None:
-    """The dense run an oasis run is compared with (same suite and length; fetch-cap: 16K throughput)."""
+    """The dense run an oasis run is compared with (same suite, length and KV dtype; fetch-cap:
+    16K throughput)."""
     if r["system"] != "oasis":
         return None
+    kvd = r.get("kv_dtype", RUN_DEFAULTS["kv_dtype"])
+    sfx = "" if kvd == "auto" else f"@{kvd}"
     if r["key"].startswith("fetch-cap/"):
-        return by.get("throughput/16384/dense")
-    return by.get(r["key"].rsplit("/", 1)[0] + "/dense")
+        return by.get("throughput/16384/dense" + sfx)
+    return by.get(r["key"].split("@")[0].rsplit("/", 1)[0] + "/dense" + sfx)
 
 
 def tables(results: list[dict], a) -> str:
@@ -767,6 +770,7 @@ def main() -> int:
             for k in ("budget", "predictor", "eager", "host_gib", "churn", "kv_dtype"):
                 if k in stored:
                     setattr(a, k, stored[k])
+    failed: set[str] = set()
     if not a.plot_only:
         for var in ("M",) + (("D",) if any(r.system.endswith("eagle3") for r in runs) else ()):
             if not os.environ.get(var) or not Path(os.environ[var]).is_dir():
@@ -791,6 +795,13 @@ def main() -> int:
         def record(res: dict) -> None:
             nonlocal results
             print(json.dumps(res), file=sys.stderr, flush=True)
+            old = next((r for r in results if r["key"] == res["key"]), None)
+            if "error" in res and old is not None and "error" not in old:
+                failed.add(res["key"])           # a failed re-measurement never loses a stored result
+                print(f"bench_oasis: {res['key']} failed; its stored result (measured {old.get('date')}) is kept",
+                      file=sys.stderr)
+                bar.update()
+                return
             results = [r for r in results if r["key"] != res["key"]] + [res]
             # written after every run: a call cut short keeps what it measured (--resume goes on)
             jpath.write_text(json.dumps({"args": vars(a), "results": results}, indent=1))
@@ -849,7 +860,7 @@ def main() -> int:
     if not a.plot_only and pending:
         return 3
     planned = {r.key for r in runs}       # errors of stored runs outside this call's plan do not count
-    return 1 if any("error" in r for r in results if r["key"] in planned) else 0
+    return 1 if failed or any("error" in r for r in results if r["key"] in planned) else 0
 
 
 if __name__ == "__main__":

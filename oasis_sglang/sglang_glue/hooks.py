@@ -65,7 +65,7 @@ HOOKS: tuple[Hook, ...] = (
          "0.5.17 bug: the n-gram corpus C++ (NGRAM drafter) misses #include <cstddef> and fails to build with g++ 13"),
     Hook("sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request", "BEFORE",
          "oasis_sglang.sglang_glue.fixes.input_ids:validate_input_ids_hook",
-         "0.5.17 bug: out-of-vocabulary input_ids reach the embedding and kill the scheduler; refuse them with a 400"),
+         "0.5.17 bug: out-of-vocabulary input_ids (and top_logprobs_num above the vocabulary) kill the scheduler; refuse them with a 400"),
     # the draft token as OasisKV's look-ahead probe (inert unless --kv-sparse oasis runs with a draft)
     Hook("sglang.srt.speculative.eagle_utils.verify_tree_greedy_func", "AROUND",
          "oasis_sglang.sglang_glue.spec_probe:verify_tree_greedy_hook",

@@ -162,9 +162,17 @@ def handle_kv_sparse_args(args) -> OasisConfig:
             bad("--" + flag.replace("_", "-"), "cannot be combined")
     if getattr(args, "disaggregation_mode", "null") not in (None, "null"):
         bad("--disaggregation-mode", "is not supported yet (PD disaggregation is a later milestone)")
-    for flag in ("pp_size", "dp_size"):
+    for flag in ("pp_size", "dp_size", "dcp_size", "attn_cp_size"):
+        # (decode / attention context parallelism would split a request's tokens over ranks;
+        # OasisKV's host tier and working sets hold a request's whole context per rank)
         if getattr(args, flag, 1) not in (None, 1):
             bad("--" + flag.replace("_", "-"), "must be 1 for now")
+    tp = getattr(args, "tp_size", 1)
+    if tp is not None and (isinstance(tp, bool) or not isinstance(tp, int) or tp < 1):
+        bad("--tp-size", f"must be a positive integer, got {tp!r}")
+    for flag in ("enable_prefill_cp", "enable_prefill_context_parallel", "enable_cp_decode_attn_tp"):
+        if getattr(args, flag, False):
+            bad("--" + flag.replace("_", "-"), "cannot be combined (context parallelism splits a request's tokens)")
     if cpu and (getattr(args, "tp_size", 1) or 1) > 1:
         _cpu_tp_env(int(args.tp_size))
     if args.max_running_requests is not None and args.max_running_requests < 1:

@@ -62,6 +62,10 @@ def test_oasis_sets_dependent_defaults(model, monkeypatch):
     (dict(enable_pdmux=True), "--enable-pdmux"),
     (dict(kv_cache_dtype="fp4_e2m1"), "--kv-cache-dtype"),
     (dict(kv_cache_dtype="mxfp8"), "--kv-cache-dtype"),
+    (dict(tp_size=0), "--tp-size"),
+    (dict(tp_size=-1), "--tp-size"),
+    (dict(tp_size=3, dcp_size=3), "--dcp-size"),
+    (dict(tp_size=3, attn_cp_size=3), "--attn-cp-size"),
 ])
 def test_bad_combinations_name_the_flag(model, kw, key):
     with pytest.raises(OasisConfigError, match=key):

@@ -1,4 +1,5 @@
-"""Out-of-vocabulary ``input_ids`` are refused at the API instead of killing the server.
+"""Out-of-vocabulary ``input_ids`` and a ``top_logprobs_num`` above the vocabulary are refused at
+the API instead of killing the server.
 
 SGLang 0.5.17 checks a request's length (``TokenizerManager._validate_one_request``,
 ``managers/tokenizer_manager.py``) but not that its token ids lie in the vocabulary: it defines
@@ -8,6 +9,10 @@ An id outside ``[0, vocab_size)`` then reaches the scheduler's embedding lookup
 request fails and the server stops serving, with or without ``--kv-sparse``. This hook, BEFORE
 ``_validate_one_request`` (listed in ``hooks.HOOKS``), raises the same ``ValueError`` SGLang uses
 for its other request checks, which the HTTP server returns as a 400 for that request alone.
+
+The same holds for ``top_logprobs_num`` larger than the vocabulary with ``return_logprob``:
+``logprobs.topk(k)`` (``layers/logprob_processor.py get_top_logprobs_raw``) raises "selected
+index k out of range" in the scheduler, which exits.
 """
 
 from __future__ import annotations
@@ -17,10 +22,18 @@ def validate_input_ids_hook(self, obj, input_ids, *args, **kwargs):
     """BEFORE ``TokenizerManager._validate_one_request(obj, input_ids)``.
 
     Raises:
-        ValueError: an id that is not an integer in ``[0, vocab_size)``, naming it and the range.
+        ValueError: an id that is not an integer in ``[0, vocab_size)``, naming it and the range;
+            ``top_logprobs_num`` above ``vocab_size`` when ``return_logprob`` is set.
     """
     vocab = getattr(getattr(self, "model_config", None), "vocab_size", None)
-    if not input_ids or not isinstance(vocab, int):
+    if not isinstance(vocab, int):
+        return None
+    if getattr(obj, "return_logprob", False):
+        k = getattr(obj, "top_logprobs_num", None)
+        for x in k if isinstance(k, (list, tuple)) else [k]:
+            if isinstance(x, int) and not isinstance(x, bool) and x > vocab:
+                raise ValueError(f"top_logprobs_num {x} exceeds the vocabulary size {vocab}")
+    if not input_ids:
         return None
     bad = next((t for t in input_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab), None)
     if bad is not None:

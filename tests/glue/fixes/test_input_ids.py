@@ -28,3 +28,15 @@ def test_the_hook_is_listed_and_resolves():
     h = [h for h in hooks.HOOKS if h.impl.endswith("validate_input_ids_hook")]
     assert len(h) == 1 and h[0].kind == "BEFORE"
     assert not [b for b in hooks.unresolved_targets() if "validate_one_request" in b or "input_ids" in b]
+
+
+@pytest.mark.parametrize("k,ok", [(5, True), (100, True), (101, False), ([3, 100000], False), (None, True)])
+def test_top_logprobs_above_the_vocabulary_are_refused(k, ok):
+    obj = SimpleNamespace(return_logprob=True, top_logprobs_num=k)
+    if ok:
+        assert validate_input_ids_hook(TM, obj, [1, 2]) is None
+    else:
+        with pytest.raises(ValueError, match=r"top_logprobs_num (101|100000) exceeds the vocabulary size 100"):
+            validate_input_ids_hook(TM, obj, [1, 2])
+    obj.return_logprob = False                            # not asked for: SGLang ignores the number
+    assert validate_input_ids_hook(TM, obj, [1]) is None
