@@ -479,13 +479,14 @@ def test_list_prints_the_servers_that_would_start(bench, monkeypatch, tmp_path, 
 
 def test_kv_dtype_fp8_doubles_the_host_tier_requests_and_reaches_every_server(bench, monkeypatch, tmp_path):
     """--kv-dtype fp8_e4m3: every server gets SGLang's --kv-cache-dtype (dense like oasis), the
-    host tier holds twice the requests of bf16, and --resume re-measures runs stored in bf16."""
+    host tier holds twice the requests of bf16, and its runs are keyed KEY@dtype: --resume keeps
+    the stored bf16 runs and measures the fp8 ones beside them."""
     import json
 
     a = _args(bench)
     a.kv_dtype = "fp8_e4m3"
     runs = {r.key: r for r in bench.plan("all", a)}
-    o8, o16 = runs["throughput/16384/oasis"], {r.key: r for r in bench.plan("all", _args(bench))}["throughput/16384/oasis"]
+    o8, o16 = runs["throughput/16384/oasis@fp8_e4m3"], {r.key: r for r in bench.plan("all", _args(bench))}["throughput/16384/oasis"]
     assert o8.kv_dtype == "fp8_e4m3" and o16.kv_dtype == "auto"
     assert o8.host_requests == bench.host_requests_for(16384 + 256 + 64, 72.0, "fp8_e4m3") == 62 == 2 * o16.host_requests
     for r in runs.values():
@@ -502,7 +503,31 @@ def test_kv_dtype_fp8_doubles_the_host_tier_requests_and_reaches_every_server(be
     assert _main(bench, monkeypatch, "--suite", "short", "--out", out, "--resume") == 0
     assert calls == ["short/1024/dense", "short/1024/oasis"], "a stored run without kv_dtype is a bf16 run"
     assert _main(bench, monkeypatch, "--suite", "short", "--out", out, "--resume", "--kv-dtype", "fp8_e5m2") == 0
-    assert calls[2:] == ["short/1024/dense", "short/1024/oasis"]
+    assert calls[2:] == ["short/1024/dense@fp8_e5m2", "short/1024/oasis@fp8_e5m2"]
+    keys = [r["key"] for r in json.loads((tmp_path / "bench_oasis.json").read_text())["results"]]
+    assert sorted(keys) == ["short/1024/dense", "short/1024/dense@fp8_e5m2", "short/1024/oasis",
+                            "short/1024/oasis@fp8_e5m2"], "both dtypes kept"
     assert "KV cache dtype fp8_e5m2" in (tmp_path / "bench_oasis.md").read_text()
     with pytest.raises(SystemExit):
         _main(bench, monkeypatch, "--suite", "short", "--kv-dtype", "fp4")
+
+
+def test_an_fp8_run_is_compared_with_fp8_dense_and_a_failed_rerun_keeps_the_stored_result(bench, monkeypatch, tmp_path):
+    """The breaker's case: oasis fp8 beside dense bf16 gets no ratio (no fp8 dense run), and a
+    re-measurement that fails does not replace a stored result (exit 1)."""
+    import json
+
+    out = str(tmp_path)
+    calls = _fake_runs(bench, monkeypatch)
+    assert _main(bench, monkeypatch, "--suite", "short", "--out", out) == 0
+    assert _main(bench, monkeypatch, "--suite", "short", "--systems", "oasis", "--kv-dtype", "fp8_e4m3", "--out", out,
+                 "--resume") == 0
+    by = {r["key"]: r for r in json.loads((tmp_path / "bench_oasis.json").read_text())["results"]}
+    assert bench._dense_of(by["short/1024/oasis@fp8_e4m3"], by) is None
+    assert bench._dense_of(by["short/1024/oasis"], by) is by["short/1024/dense"]
+    calls.clear()
+    _fake_runs(bench, monkeypatch, fail=("short/1024/oasis",))
+    assert _main(bench, monkeypatch, "--suite", "short", "--systems", "oasis", "--out", out, "--resume",
+                 "--output-len", "128") == 1                    # other settings: measured again, and it fails
+    after = {r["key"]: r for r in json.loads((tmp_path / "bench_oasis.json").read_text())["results"]}
+    assert after["short/1024/oasis"] == by["short/1024/oasis"], "the stored result is kept"
