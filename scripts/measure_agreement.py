@@ -56,6 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))     # this checkout
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+from oasis_sglang.argtypes import positive_int  # noqa: E402
 from oasis_sglang.eval import sparse_sim  # noqa: E402
 from oasis_sglang.models import essay_texts, prepare_smollm2  # noqa: E402
 
@@ -88,14 +89,14 @@ def continuation_logits(model, ids: torch.Tensor, n: int) -> torch.Tensor:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--prefix", type=int, default=4096)
-    ap.add_argument("--prefix-max", type=int, default=None,
+    ap.add_argument("--prefix", type=positive_int, default=4096)
+    ap.add_argument("--prefix-max", type=positive_int, default=None,
                     help="--agreement-only: prefixes of the windows evenly spaced from --prefix to this")
-    ap.add_argument("--decode-steps", type=int, default=None, help="default 1000, 256 with --agreement-only")
-    ap.add_argument("--docs", type=int, default=2)
-    ap.add_argument("--budgets", type=int, nargs="+", default=None,
+    ap.add_argument("--decode-steps", type=positive_int, default=None, help="default 1000, 256 with --agreement-only")
+    ap.add_argument("--docs", type=positive_int, default=2)
+    ap.add_argument("--budgets", type=positive_int, nargs="+", default=None,
                     help="default 256 512 1024, 512 1024 with --agreement-only")
-    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--block-size", type=positive_int, default=16)
     ap.add_argument("--predictors", nargs="+", default=list(sparse_sim.PREDICTORS), choices=sparse_sim.PREDICTORS)
     ap.add_argument("--fetch-caps", nargs="+", default=["none"],
                     help="fetch caps to simulate: positive integers, 'unbounded' (carried, no cap) or 'none' (not "
@@ -130,6 +131,13 @@ def main() -> int:
         ap.error("--fetch-caps applies to the perplexity runs, not --agreement-only")
     if a.agreement_only and a.kv_dtype != "auto":
         ap.error("--kv-dtype applies to the perplexity runs, not --agreement-only")
+    from oasis_sglang.config import OasisConfig, OasisConfigError
+
+    for b in a.budgets:                   # the server's own rules, before minutes of dense forwards
+        try:
+            OasisConfig(budget_tokens=b, block_size=a.block_size)
+        except OasisConfigError as e:
+            ap.error(f"--budgets {b} / --block-size {a.block_size}: {e}")
     kvd = KV_DTYPES[a.kv_dtype]
     torch.manual_seed(0)
     from transformers import AutoModelForCausalLM, AutoTokenizer
