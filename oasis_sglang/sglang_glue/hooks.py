@@ -66,6 +66,13 @@ HOOKS: tuple[Hook, ...] = (
     Hook("sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request", "BEFORE",
          "oasis_sglang.sglang_glue.fixes.input_ids:validate_input_ids_hook",
          "0.5.17 bug: out-of-vocabulary input_ids (and top_logprobs_num above the vocabulary) kill the scheduler; refuse them with a 400"),
+    # SGLang's PD mode (NIXL) on the CPU engine (any --kv-sparse; no-ops off CPU: see fixes/pd_cpu.py)
+    Hook("sglang.srt.disaggregation.nixl.conn.NixlKVManager.__init__", "BEFORE",
+         "oasis_sglang.sglang_glue.fixes.pd_cpu:nixl_manager_init_hook",
+         "CPU engine: register the KV pool with NIXL as DRAM, not VRAM"),
+    Hook("sglang.srt.disaggregation.prefill.SchedulerDisaggregationPrefillMixin.maybe_send_cached_prefix_chunk",
+         "AROUND", "oasis_sglang.sglang_glue.fixes.pd_cpu:early_send_hook",
+         "CPU engine: skip the optional early send of a cached prefix (it records a CUDA event)"),
     # the draft token as OasisKV's look-ahead probe (inert unless --kv-sparse oasis runs with a draft)
     Hook("sglang.srt.speculative.eagle_utils.verify_tree_greedy_func", "AROUND",
          "oasis_sglang.sglang_glue.spec_probe:verify_tree_greedy_hook",

@@ -1,0 +1,73 @@
+"""SGLang's own PD disaggregation on the CPU engine, through sglang-router, with NIXL over UCX
+loopback: the groundwork of issue 19 (``--kv-sparse oasis`` with PD is not built yet, and is
+still refused at start-up).
+
+A prefill server (``--disaggregation-mode prefill``), a decode server (``decode``) and the router
+(``--pd-disaggregation``) serve SmolLM2 with dense KV; their greedy output equals one dense server's.
+This needs the plugin's two CPU fixes (``sglang_glue/fixes/pd_cpu.py``: the pool registered with
+NIXL as DRAM, the early send of a cached prefix skipped), set by the plugin, not by environment
+variables.
+"""
+
+import subprocess
+import sys
+import time
+
+import pytest
+import requests
+
+pytest.importorskip("nixl")
+pytest.importorskip("sglang_router")
+
+from oasis_sglang.testing.launch import base_args, free_port, launch  # noqa: E402
+from test_e2e import OUT, _exact_prompts, assert_dense_or_near_tie, generate_ids  # noqa: E402
+
+pytestmark = pytest.mark.e2e
+PD = ["--disaggregation-transfer-backend", "nixl"]
+
+
+def start_router(prefill_url: str, bootstrap: int, decode_url: str, timeout: float = 300):
+    """sglang-router in PD mode; returns ``(url, process)`` once ``/health`` answers 200."""
+    port = free_port()
+    log = open(OUT / "pd_router.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
+                             "--prefill", prefill_url, str(bootstrap), "--decode", decode_url,
+                             "--host", "127.0.0.1", "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        assert proc.poll() is None, f"router exited {proc.returncode}: see {OUT / 'pd_router.log'}"
+        try:
+            if requests.get(url + "/health", timeout=5).status_code == 200:
+                return url, proc
+        except requests.RequestException:
+            pass
+        time.sleep(2)
+    proc.kill()
+    raise TimeoutError(f"router not healthy in {timeout} s: see {OUT / 'pd_router.log'}")
+
+
+def test_pd_through_the_router_equals_one_dense_server(model, tok):
+    prompts = _exact_prompts(tok)
+    n_new = 24
+    srv = launch(model, 0, base_args(), OUT / "pd_ref_dense.log")
+    try:
+        ref = [generate_ids(srv.url, p, n_new, top2=True) for p in prompts]
+    finally:
+        srv.stop()
+    bootstrap = free_port()
+    pf = launch(model, 0, base_args() + PD + ["--disaggregation-mode", "prefill",
+                                              "--disaggregation-bootstrap-port", str(bootstrap)], OUT / "pd_prefill.log")
+    dc = router = None
+    try:
+        dc = launch(model, 0, base_args() + PD + ["--disaggregation-mode", "decode"], OUT / "pd_decode.log")
+        url, router = start_router(pf.url, bootstrap, dc.url)
+        got = [generate_ids(url, p, n_new) for p in prompts]
+    finally:
+        if router is not None:
+            router.kill()
+        for s in (dc, pf):
+            if s is not None:
+                s.stop()
+    assert_dense_or_near_tie(prompts, ref, got, "pd_router_vs_dense")
