@@ -26,7 +26,7 @@ pytestmark = pytest.mark.e2e
 PD = ["--disaggregation-transfer-backend", "nixl"]
 
 
-def start_router(prefill_url: str, bootstrap: int, decode_url: str, timeout: float = 300):
+def start_router(prefill_url: str, bootstrap: int, decode_url: str, timeout: float = 600):
     """sglang-router in PD mode; returns ``(url, process)`` once ``/health`` answers 200."""
     port = free_port()
     log = open(OUT / "pd_router.log", "w")
