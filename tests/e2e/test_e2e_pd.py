@@ -27,7 +27,9 @@ PD = ["--disaggregation-transfer-backend", "nixl"]
 
 
 def start_router(prefill_url: str, bootstrap: int, decode_url: str, timeout: float = 600):
-    """sglang-router in PD mode; returns ``(url, process)`` once ``/health`` answers 200."""
+    """sglang-router in PD mode; returns ``(url, process)`` once a one-token request through it
+    answers 200 (its ``/health`` is 200 before it has registered the workers: "Router ready |
+    workers: []", and requests then get 503)."""
     port = free_port()
     log = open(OUT / "pd_router.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
@@ -39,7 +41,9 @@ def start_router(prefill_url: str, bootstrap: int, decode_url: str, timeout: flo
     while time.time() - t0 < timeout:
         assert proc.poll() is None, f"router exited {proc.returncode}: see {OUT / 'pd_router.log'}"
         try:
-            if requests.get(url + "/health", timeout=5).status_code == 200:
+            r = requests.post(url + "/generate", json={"text": "Hi", "sampling_params": {"max_new_tokens": 1}},
+                              timeout=300)
+            if r.status_code == 200:
                 return url, proc
         except requests.RequestException:
             pass
