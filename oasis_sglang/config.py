@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
@@ -71,6 +72,13 @@ class OasisConfig:
             ``null`` (no step budget: ``fetch_cap`` alone). ``fetch_cap`` stays the per-head
             ceiling; free-slot fills and sink / recent blocks are never refused. Default "auto"
             (on CPU, where nothing crosses a link, it stays unlimited).
+        pd_lease_s: PD prefill node (``--disaggregation-mode prefill``): seconds it keeps a
+            transferred request's KV pages (its host-tier blocks are the decode node's staging
+            pool, read on demand) when the decode node neither releases them (request finished)
+            nor is seen again. Default 600; > 0.
+        pd_read_timeout_s: PD decode node: deadline in seconds of one NIXL read of blocks from
+            a prefill node; a read that fails or runs past it marks that node lost and ends its
+            requests with an error (``disagg/serving.py``). Default 10; > 0.
         measure_agreement: also score each step's own query and record, per layer, how much of
             its top-K the prediction held (costs the synchronous scoring; measurement only).
             Default false.
@@ -89,6 +97,8 @@ class OasisConfig:
     predictor: str = "auto"
     measure_agreement: bool = False
     transfer_budget: Union[str, int, float, None] = "auto"
+    pd_lease_s: float = 600.0
+    pd_read_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         for key in ("budget_tokens", "block_size", "sink_blocks", "recent_blocks"):
@@ -140,6 +150,11 @@ class OasisConfig:
             raise OasisConfigError(
                 f"kv_sparse_config: 'transfer_budget' must be \"auto\", a link fraction in (0, 1] (e.g. 0.5), "
                 f"a positive integer of bytes per decode step (at most 2**62), or null; got {tb!r}")
+        for key in ("pd_lease_s", "pd_read_timeout_s"):
+            val = getattr(self, key)
+            if isinstance(val, bool) or not isinstance(val, (int, float)) or not math.isfinite(val) or val <= 0:
+                raise OasisConfigError(f"kv_sparse_config: '{key}' must be a positive number of seconds, got {val!r}")
+            object.__setattr__(self, key, float(val))
         if not isinstance(self.measure_agreement, bool):
             raise OasisConfigError(
                 f"kv_sparse_config: 'measure_agreement' must be true or false, got {self.measure_agreement!r}")

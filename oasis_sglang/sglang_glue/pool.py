@@ -66,6 +66,49 @@ class OasisKVPool(MHATokenToKVPool):
         self.oasis.write_kv(layer_id, loc, cache_k, cache_v)
 
 
+    def get_contiguous_buf_infos(self):
+        """What SGLang's PD KV transfer (``disaggregation/nixl/conn.py``) registers and sends page
+        by page, for ``--kv-sparse oasis`` on both nodes (``oasis_sglang/disagg/serving.py``).
+
+        SGLang's list is ``[K of every layer] + [V of every layer]``, each region
+        ``(address, bytes, bytes per page)`` with one item per page. OasisKV's sparse layers
+        keep no device KV (their placeholder must not be advertised as a full region), so the
+        halves are: the dense layers' K / V buffers, then per sparse layer the min / max key
+        summaries (``[P, H, D]``, the summaries' dtype), then one ``int64 [P]`` page-number
+        buffer each (``pd_page_ids``; on a prefill node page ``p`` holds ``p``, so a decode
+        node receives, at its own pages, the prefill node's page of each block: where to read
+        the blocks' K/V on demand). Every region has the same ``P = (size + page_size) /
+        page_size`` pages, as SGLang's prepared transfers assume.
+
+        Returns: ``(ptrs, lens, item_lens)``, lists of ``2 * (dense + sparse + 1)`` ints.
+        Raises:
+            RuntimeError: the OasisKV engine is not attached yet, or ``--page-size`` differs
+                from ``block_size`` (both checked at start-up; this guards the layout).
+        """
+        eng = self.oasis
+        if eng is None or self.page_size != eng.bs:
+            raise RuntimeError("OasisKV PD: the KV pool's transfer regions need the OasisKV engine and "
+                               "--page-size == block_size")
+        P = (self.size + self.page_size) // self.page_size
+        if getattr(self, "pd_page_ids", None) is None:
+            self.pd_page_ids = [torch.arange(P, dtype=torch.int64, device=self.device) for _ in range(2)]
+        dense = [i for i in range(self.layer_num) if self._is_dense(i + self.start_layer)]
+        halves = ([self.k_buffer[i] for i in dense] + list(eng.summaries.kmin) + [self.pd_page_ids[0]],
+                  [self.v_buffer[i] for i in dense] + list(eng.summaries.kmax) + [self.pd_page_ids[1]])
+        ptrs, lens, items = [], [], []
+        for half in halves:
+            for t in half:
+                if t.shape[0] not in (P, P * self.page_size) or not t.is_contiguous():
+                    raise RuntimeError(f"OasisKV PD: a transfer region of shape {tuple(t.shape)} is not {P} "
+                                       "contiguous pages")
+                ptrs.append(t.data_ptr())
+                lens.append(t.numel() * t.element_size())
+                items.append(t.numel() * t.element_size() // P)
+        self.pd_page_bytes = sum(items)           # what crosses per page at admission (disagg/serving.py)
+        self.pd_full_page_bytes = self.page_size * self.layer_num * self.head_num * (
+            self.head_dim + self.v_head_dim) * torch.empty((), dtype=self.store_dtype).element_size()
+        return ptrs, lens, items
+
     def move_kv_cache(self, tgt_loc: torch.Tensor, src_loc: torch.Tensor):
         """Speculative decoding's move of accepted draft tokens' KV to their final slots
         (``spec_utils.move_accept_tokens_to_target_kvcache``; NGRAM calls it every step).

@@ -160,8 +160,9 @@ def handle_kv_sparse_args(args) -> OasisConfig:
                  "enable_torch_compile", "enable_pdmux"):
         if getattr(args, flag, False):
             bad("--" + flag.replace("_", "-"), "cannot be combined")
-    if getattr(args, "disaggregation_mode", "null") not in (None, "null"):
-        bad("--disaggregation-mode", "is not supported yet (PD disaggregation is a later milestone)")
+    pd = str(getattr(args, "disaggregation_mode", "null") or "null")
+    if pd != "null":
+        _pd_args(args, pd, bool(spec), bad)
     for flag in ("pp_size", "dp_size", "dcp_size", "attn_cp_size"):
         # (decode / attention context parallelism would split a request's tokens over ranks;
         # OasisKV's host tier and working sets hold a request's whole context per rank)
@@ -200,9 +201,38 @@ def handle_kv_sparse_args(args) -> OasisConfig:
     os.environ["SGLANG_MIN_NEW_TOKEN_RATIO_FACTOR"] = "1.0"
     _overlap_args(args, bool(spec), cpu)
     _cuda_graph_args(args, cpu)
+    if pd == "decode" and not args.disable_cuda_graph:
+        # the decode node reads blocks from its prefill node on the host inside the step
+        logger.info("OasisKV PD: disabling CUDA graphs on the decode node (blocks are read on demand over NIXL)")
+        args.disable_cuda_graph = True
     args.kv_sparse_config = cfg.to_json()
     logger.info("OasisKV enabled: %s", args.kv_sparse_config)
     return cfg
+
+
+def _pd_args(args, mode: str, spec: bool, bad) -> None:
+    """``--disaggregation-mode prefill|decode`` with ``--kv-sparse oasis`` (``disagg/serving.py``).
+
+    Raises:
+        OasisConfigError: a transfer backend other than NIXL, speculative decoding or TP > 1
+            with PD (not built), or ``nixl`` not installed.
+    """
+    if mode not in ("prefill", "decode"):
+        bad("--disaggregation-mode", f"{mode!r}: want prefill or decode")
+    backend = str(getattr(args, "disaggregation_transfer_backend", "") or "")
+    if backend != "nixl":
+        bad("--disaggregation-transfer-backend", f"{backend!r}: must be nixl (the decode node reads blocks from "
+            "the prefill node's host tier with NIXL)")
+    if spec:
+        bad("--speculative-algorithm", "cannot be combined with --disaggregation-mode yet (the draft model's KV "
+            "is not sent to the decode node)")
+    if (getattr(args, "tp_size", 1) or 1) > 1:
+        bad("--tp-size", "must be 1 with --disaggregation-mode for now (a decode rank would read its KV heads "
+            "from the prefill ranks holding them: not built)")
+    try:
+        import nixl  # noqa: F401
+    except ImportError:
+        bad("--disaggregation-mode", "needs the nixl package (pip install 'oasis-sglang[disagg]')")
 
 
 def _overlap_args(args, spec: bool, cpu: bool = False) -> None:

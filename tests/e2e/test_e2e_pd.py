@@ -34,7 +34,11 @@ def start_router(prefill_url: str, bootstrap: int, decode_url: str, timeout: flo
     log = open(OUT / "pd_router.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
                              "--prefill", prefill_url, str(bootstrap), "--decode", decode_url,
-                             "--host", "127.0.0.1", "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
+                             "--host", "127.0.0.1", "--port", str(port),
+                             # a decode step of a 2-core CPU box can keep a worker's /health waiting
+                             # past the router's 5 s: do not drop it for that
+                             "--health-check-timeout-secs", "120", "--health-failure-threshold", "5",
+                             "--health-check-interval-secs", "15"], stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     t0 = time.time()

@@ -97,3 +97,23 @@ def test_layouts_oasis_cannot_serve_are_refused(monkeypatch):
     monkeypatch.setenv("SGLANG_USE_HND_KVCACHE", "1")
     with pytest.raises(ValueError, match="quantized, post-capture and HND KV layouts"):
         _pool(attach=False)
+
+
+def test_pd_transfer_regions_are_dense_kv_summaries_and_page_numbers():
+    """``get_contiguous_buf_infos`` (SGLang's PD transfer registers these and sends them page by
+    page): K half = dense K, min summaries, page numbers; V half = dense V, max summaries, page
+    numbers; every region has the same pages, the sparse placeholders are not advertised."""
+    pool = _pool()
+    eng = pool.oasis
+    P = (SIZE + BS) // BS
+    ptrs, lens, items = pool.get_contiguous_buf_infos()
+    k_half = [pool.k_buffer[0]] + eng.summaries.kmin + [pool.pd_page_ids[0]]
+    v_half = [pool.v_buffer[0]] + eng.summaries.kmax + [pool.pd_page_ids[1]]
+    assert ptrs == [t.data_ptr() for t in k_half + v_half]
+    assert lens == [t.numel() * t.element_size() for t in k_half + v_half]
+    assert items == [BS * H * D * 4, H * D * 4, H * D * 4, 8] * 2
+    assert [n // i for n, i in zip(lens, items)] == [P] * 8
+    assert torch.equal(pool.pd_page_ids[0], torch.arange(P)) and torch.equal(pool.pd_page_ids[1], torch.arange(P))
+    assert all(p not in ptrs for p in (pool.k_buffer[1].data_ptr(), pool.v_buffer[2].data_ptr()))
+    with pytest.raises(RuntimeError, match="need the OasisKV engine"):
+        _pool(attach=False).get_contiguous_buf_infos()

@@ -66,6 +66,14 @@ def test_oasis_sets_dependent_defaults(model, monkeypatch):
     (dict(tp_size=-1), "--tp-size"),
     (dict(tp_size=3, dcp_size=3), "--dcp-size"),
     (dict(tp_size=3, attn_cp_size=3), "--attn-cp-size"),
+    (dict(disaggregation_mode="decode", disaggregation_transfer_backend="mooncake"),
+     "--disaggregation-transfer-backend 'mooncake': must be nixl"),
+    (dict(disaggregation_mode="prefill", disaggregation_transfer_backend="nixl", tp_size=3),
+     "--tp-size must be 1 with --disaggregation-mode"),
+    (dict(disaggregation_mode="decode", disaggregation_transfer_backend="nixl", speculative_algorithm="NGRAM"),
+     "--speculative-algorithm cannot be combined with --disaggregation-mode"),
+    (dict(kv_sparse_config='{"pd_lease_s": 0}'), "pd_lease_s"),
+    (dict(kv_sparse_config='{"pd_read_timeout_s": "10"}'), "pd_read_timeout_s"),
 ])
 def test_bad_combinations_name_the_flag(model, kw, key):
     with pytest.raises(OasisConfigError, match=key):
@@ -88,6 +96,15 @@ def test_model_dependent_checks_fail_before_loading(model, kw, key):
 @pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2", "bf16", "auto"])
 def test_plain_kv_cache_dtypes_are_served(model, kv):
     assert make(model, kv_sparse="oasis", kv_cache_dtype=kv).kv_cache_dtype == kv
+
+
+@pytest.mark.parametrize("mode", ["prefill", "decode"])
+def test_pd_with_nixl_is_served(model, mode):
+    pytest.importorskip("nixl")
+    a = make(model, kv_sparse="oasis", disaggregation_mode=mode, disaggregation_transfer_backend="nixl",
+             kv_sparse_config='{"pd_lease_s": 30, "pd_read_timeout_s": 2.5}')
+    assert a.disaggregation_mode == mode and a.disable_cuda_graph
+    assert '"pd_lease_s": 30.0' in a.kv_sparse_config and '"pd_read_timeout_s": 2.5' in a.kv_sparse_config
 
 
 def test_tp_must_give_each_rank_whole_heads(model):

@@ -1,0 +1,272 @@
+"""``--kv-sparse oasis`` with SGLang's PD disaggregation (NIXL transfer backend): the serving side.
+
+Paper: PD integration, remote partial fetching. What crosses at admission (SGLang's own NIXL
+transfer, page by page, of the regions ``sglang_glue/pool.py OasisKVPool.get_contiguous_buf_infos``
+advertises): the dense layers' KV, every sparse layer's min/max key summaries, and the prefill
+node's page number of each block. The sparse layers' K/V stay in the prefill node's host tier
+(its staging pool, registered with NIXL by :class:`PrefillSide`) and the decode node reads the
+blocks its steps select (:class:`DecodeSide`: ``core/remote.py RemoteBlocks`` + ``transport.py
+RemoteBlockFetcher``, one NIXL READ per (sparse layer, peer) holding every request's pieces).
+
+Rules (stated, tested in tests/e2e/test_e2e_pd_oasis.py):
+
+- First decode step on the decode node: the request has no working set yet, so the step selects
+  synchronously with its own query (``OasisSparseKV.decode_attention``'s synchronous path) and
+  reads the selected blocks before attending; later steps use the configured predictor.
+- A block not here yet: the step waits for its READ (deadline ``pd_read_timeout_s``). A READ
+  that fails or runs late marks the prefill node lost; its requests end with an error before
+  the next step (``abort_lost``), everyone else keeps decoding.
+- Prefill pages: after SGLang's transfer the prefill node holds the request's pages under a
+  lease instead of freeing them (``PrefillSide.lease``); the decode node releases the lease
+  when the request ends (a NIXL notification ``oasis-release:<room>``), or it expires after
+  ``pd_lease_s`` seconds.
+- Finding a prefill node's host tier: its layout (``transport.TierLayout``) is PUT to SGLang's
+  bootstrap server (route ``/oasis/tier``, added to ``CommonKVBootstrapServer``) when the
+  prefill registers; a decode node GETs it from the request's ``bootstrap_host:port`` the first
+  time it sees that prefill node.
+
+Not built here: TP > 1 with PD, speculative decoding with PD, CUDA graphs on the PD decode node
+(the on-demand reads run on the host inside the step).
+
+Imports SGLang only inside the hook functions (``disagg/`` and ``sglang_glue/`` are the only
+SGLang importers).
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+
+import torch
+
+from ..core.remote import RemoteBlocks
+from .admission import request_pages
+from .transport import NixlTier, PeerLostError, RemoteBlockFetcher, TierLayout
+
+logger = logging.getLogger(__name__)
+
+RELEASE = b"oasis-release:"
+TIER_ROUTE = "/oasis/tier"
+
+# this process's side (one scheduler / TP rank per process); set by sglang_glue/install.py
+_SIDE: "PrefillSide | DecodeSide | None" = None
+
+
+def side():
+    """This process's :class:`PrefillSide` / :class:`DecodeSide`, or ``None`` (not PD, or not oasis)."""
+    return _SIDE
+
+
+def set_side(s) -> None:
+    global _SIDE
+    _SIDE = s
+
+
+def agent_name(role: str, tp_rank: int) -> str:
+    """A NIXL agent name unique per process: ``oasis-<role>-<8 hex>-tp<rank>``."""
+    return f"oasis-{role}-{uuid.uuid4().hex[:8]}-tp{tp_rank}"
+
+
+@dataclass
+class Lease:
+    """A prefill request whose KV pages are held for a decode node: ``release()`` frees them
+    (SGLang's ``release_kv_cache`` of the request), ``deadline`` is ``time.monotonic()`` seconds."""
+    release: object
+    deadline: float
+    rid: str
+    tokens: int = 0
+
+
+class PrefillSide:
+    """Prefill node: the host tier registered with NIXL (the staging pool) and the leases.
+
+    Args:
+        engine: this rank's ``core.OasisSparseKV``. lease_s: ``OasisConfig.pd_lease_s``.
+        tp_rank: this rank (names the NIXL agent).
+    """
+
+    role = "prefill"
+
+    def __init__(self, engine, lease_s: float, tp_rank: int = 0):
+        self.tier = NixlTier(engine.host.k, engine.host.v, agent_name("prefill", tp_rank))
+        self.lease_s = float(lease_s)
+        self.leases: dict[int, Lease] = {}
+        self.released = self.expired = 0
+
+    def layout_b64(self) -> str:
+        return base64.b64encode(self.tier.layout().to_bytes()).decode()
+
+    def lease(self, room: int, release, rid: str = "", tokens: int = 0) -> None:
+        """Hold a transferred request's pages until its decode node releases them (or
+        ``lease_s`` passes). ``release``: a callable freeing them (called once); ``tokens``:
+        the KV slots it holds outside the radix cache (SGLang's idle memory check counts them)."""
+        old = self.leases.pop(int(room), None)
+        if old is not None:          # a room reused while its lease is held: free the old pages first
+            old.release()
+        self.leases[int(room)] = Lease(release, time.monotonic() + self.lease_s, rid, int(tokens))
+
+    def held_tokens(self) -> int:
+        """KV slots held by leases (outside the radix cache)."""
+        return sum(x.tokens for x in self.leases.values())
+
+    def poll(self, now: float | None = None) -> int:
+        """Free the leases the decode nodes released (NIXL notifications) or that expired.
+        Called from the prefill scheduler's loop. Returns leases freed."""
+        n = 0
+        try:
+            notifs = self.tier.agent.get_new_notifs()
+        except Exception as e:  # noqa: BLE001 - a notification error must not stop the prefill loop
+            logger.warning("OasisKV PD: reading NIXL notifications failed: %s", e)
+            notifs = {}
+        for msgs in notifs.values():
+            for m in msgs:
+                if m.startswith(RELEASE):
+                    try:
+                        room = int(m[len(RELEASE):])
+                    except ValueError:
+                        continue
+                    lease = self.leases.pop(room, None)
+                    if lease is not None:
+                        lease.release()
+                        self.released += 1
+                        n += 1
+        now = time.monotonic() if now is None else now
+        for room in [r for r, x in self.leases.items() if x.deadline <= now]:
+            lease = self.leases.pop(room)
+            logger.warning("OasisKV PD: lease of request %s (room %d) expired after %.0f s without a release "
+                           "from its decode node; its pages are freed", lease.rid, room, self.lease_s)
+            lease.release()
+            self.expired += 1
+            n += 1
+        if n:
+            logger.info("OasisKV PD: freed %d lease(s); released by decode nodes: %d, expired: %d, held now: %d",
+                        n, self.released, self.expired, len(self.leases))
+        return n
+
+
+@dataclass
+class Admitted:
+    """A decode-node request admitted from a prefill node: its pages here, the peer, its room."""
+    pages: torch.Tensor
+    peer: str
+    room: int
+    rid: str
+
+
+class DecodeSide:
+    """Decode node: this host tier registered with NIXL (the READs' destination), the peers'
+    layouts, and which request rows were admitted from which peer.
+
+    Args:
+        engine: this rank's ``core.OasisSparseKV`` (``attach_remote`` is called on it).
+        pool: the ``OasisKVPool`` (its ``pd_page_ids`` receive the prefill pages).
+        read_timeout_s: ``OasisConfig.pd_read_timeout_s``.
+    """
+
+    role = "decode"
+
+    def __init__(self, engine, pool, read_timeout_s: float, tp_rank: int = 0):
+        self.engine, self.pool = engine, pool
+        self.tier = NixlTier(engine.host.k, engine.host.v, agent_name("decode", tp_rank))
+        self.fetcher = RemoteBlockFetcher(self.tier, timeout_s=read_timeout_s)
+        self.remote = RemoteBlocks(len(engine.sparse_layers), engine.head_num, engine.host.num_pages,
+                                   fetch=self.fetcher.fetch)
+        engine.attach_remote(self.remote)
+        P = (pool.size + pool.page_size) // pool.page_size        # pages of every transfer region (pool.py)
+        # the prefill node's page of each block arrives here with SGLang's transfer; -1: none yet
+        pool.pd_page_ids = [torch.full((P,), -1, dtype=torch.int64, device=pool.device) for _ in range(2)]
+        self.peers: dict[tuple[str, int], str] = {}          # (bootstrap host, port) -> agent
+        self.rows: dict[int, Admitted] = {}
+        self.aborted = 0
+        self.admission_bytes = self.full_transfer_bytes = 0       # over every admitted request
+
+    # ---- peers ------------------------------------------------------------------------------
+    def peer_for(self, host: str, port: int, tries: int = 20) -> str:
+        """The NIXL agent of the prefill node behind bootstrap ``host:port`` (its layout fetched
+        from the bootstrap server once). Raises ``PeerLostError`` when it cannot be had."""
+        key = (str(host), int(port))
+        agent = self.peers.get(key)
+        if agent is not None and agent not in self.remote.lost:
+            return agent
+        if agent is not None:               # that prefill node was lost: a new one may serve there now
+            self.fetcher.remove_peer(agent)
+            del self.peers[key]
+        import requests
+
+        h = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(key[0], key[0])
+        url = f"http://{'[' + h + ']' if ':' in h else h}:{key[1]}{TIER_ROUTE}?rank=0"
+        why = "no answer"
+        for i in range(tries):
+            try:
+                r = requests.get(url, timeout=5)
+                if r.status_code == 200:
+                    lay = TierLayout.from_bytes(base64.b64decode(r.json()["layout"]))
+                    agent = self.fetcher.add_peer(lay)
+                    self.peers[key] = agent
+                    return agent
+                why = f"HTTP {r.status_code}: {r.text[:200]}"
+                if r.status_code == 404 and "no OasisKV" in r.text:
+                    break
+            except (OSError, ValueError, KeyError, requests.RequestException) as e:
+                why = f"{type(e).__name__}: {e}"
+            time.sleep(min(0.5 * (i + 1), 2.0))
+        raise PeerLostError(f"{key[0]}:{key[1]}", f"no OasisKV host tier at its bootstrap server ({why}); "
+                            "run the prefill node with --kv-sparse oasis and the same --kv-sparse-config")
+
+    # ---- requests ---------------------------------------------------------------------------
+    def admit(self, row: int, req_to_token_row: torch.Tensor, prompt_len: int, host: str, port: int,
+              room: int, rid: str = "") -> None:
+        """A request whose SGLang transfer completed: its pages here are backed by the prefill
+        node's pages (``pd_page_ids``, received with the transfer); nothing of its sparse
+        layers' K/V is here yet. Its row starts empty, so its first step selects synchronously.
+
+        Raises:
+            PeerLostError: the prefill node's host tier cannot be found.
+            ValueError: the received page numbers are missing or torn (the transfer did not
+                carry OasisKV's regions: a prefill node without ``--kv-sparse oasis``).
+        """
+        peer = self.peer_for(host, port)
+        pages = request_pages(req_to_token_row, prompt_len, self.engine.bs)
+        pd = pages.to(self.pool.pd_page_ids[0].device)
+        src = self.pool.pd_page_ids[0][pd].to("cpu")
+        if bool((src < 0).any()) or not torch.equal(src, self.pool.pd_page_ids[1][pd].to("cpu")):
+            raise ValueError("OasisKV PD: the transfer did not carry the prefill node's page numbers (is the prefill "
+                             "node running --kv-sparse oasis with the same block_size and dense_layers?)")
+        self.engine.reset_rows([row])
+        self.remote.admit(pages, peer, src)
+        self.rows[int(row)] = Admitted(pages, peer, int(room), rid)
+        n = pages.numel()
+        sent, full = n * getattr(self.pool, "pd_page_bytes", 0), n * getattr(self.pool, "pd_full_page_bytes", 0)
+        self.admission_bytes += sent
+        self.full_transfer_bytes += full
+        if sent:
+            mib = 2 ** 20
+            logger.info("OasisKV PD: admitted request %s from %s: %d prompt tokens, %.2f MiB at admission (dense "
+                        "layers, summaries, page numbers) vs %.2f MiB for a full transfer (%.2fx less); read on "
+                        "demand so far: %.2f MiB in %d NIXL reads", rid, peer, prompt_len, sent / mib, full / mib,
+                        full / sent, self.fetcher.stats.bytes / mib, self.fetcher.stats.transfers)
+
+    def release(self, row: int) -> None:
+        """The request on ``row`` ended: its pages are this node's again, and its prefill node
+        may free its pages (a NIXL notification; a lost peer is not told)."""
+        adm = self.rows.pop(int(row), None)
+        if adm is None:
+            return
+        self.remote.release(adm.pages)
+        pd = adm.pages.to(self.pool.pd_page_ids[0].device)
+        for t in self.pool.pd_page_ids:
+            t[pd] = -1
+        if adm.peer in self.remote.lost:
+            return
+        try:
+            self.tier.agent.send_notif(adm.peer, RELEASE + str(adm.room).encode())
+        except Exception as e:  # noqa: BLE001 - the lease then expires on the prefill node
+            logger.warning("OasisKV PD: could not tell prefill node %s to free request %s's pages (%s); "
+                           "its lease will expire", adm.peer, adm.rid, e)
+
+    def lost_rows(self) -> dict[int, str]:
+        """Rows admitted from a lost peer -> why it was lost."""
+        return {r: self.remote.lost[a.peer] for r, a in self.rows.items() if a.peer in self.remote.lost}

@@ -1,0 +1,205 @@
+"""Hooks on SGLang's PD disaggregation for ``--kv-sparse oasis`` (listed in ``sglang_glue/hooks.py``).
+
+Each delegates to this process's side (``serving.side()``: :class:`~.serving.PrefillSide` on a
+prefill node, :class:`~.serving.DecodeSide` on a decode node) and does nothing without one
+(not PD, or not ``--kv-sparse oasis``).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from .serving import TIER_ROUTE, DecodeSide, PrefillSide, side
+
+logger = logging.getLogger(__name__)
+
+
+def bootstrap_routes_hook(result, self, *args, **kwargs):
+    """AFTER ``CommonKVBootstrapServer._setup_routes``: the route ``/oasis/tier`` where a
+    prefill node's ranks PUT their host tier's NIXL layout and decode nodes GET it
+    (``?rank=R``). 404 with "no OasisKV host tier" when none was registered (a dense prefill)."""
+    from aiohttp import web
+
+    tiers: dict[int, str] = {}
+    self._oasis_tiers = tiers
+
+    async def handle(request):
+        if request.method == "PUT":
+            try:
+                d = await request.json()
+                tiers[int(d["rank"])] = str(d["layout"])
+            except (ValueError, KeyError, TypeError) as e:
+                return web.Response(status=400, text=f"OasisKV tier registration: {type(e).__name__}: {e}")
+            return web.Response(text="OK")
+        if request.method != "GET":
+            return web.Response(status=405, text="Method not allowed")
+        try:
+            rank = int(request.query.get("rank", "0"))
+        except ValueError:
+            return web.Response(status=400, text="rank must be an integer")
+        if rank not in tiers:
+            return web.Response(status=404, text=f"no OasisKV host tier registered for rank {rank} (is the "
+                                                 "prefill node running --kv-sparse oasis?)")
+        return web.json_response({"layout": tiers[rank]})
+
+    self.app.router.add_route("*", TIER_ROUTE, handle)
+    return result
+
+
+def register_to_bootstrap_hook(result, self, *args, **kwargs):
+    """AFTER ``CommonKVManager.register_to_bootstrap`` (a prefill rank registered with its
+    bootstrap server): register this rank's host-tier layout there too."""
+    s = side()
+    if not isinstance(s, PrefillSide):
+        return result
+    import requests
+
+    from sglang.srt.utils.network import NetworkAddress
+
+    if getattr(self, "dist_init_addr", None):
+        host = NetworkAddress.parse(self.dist_init_addr).resolved().host
+    else:
+        host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(self.bootstrap_host, self.bootstrap_host)
+    url = f"{NetworkAddress(host, self.bootstrap_port).to_url()}{TIER_ROUTE}"
+    payload = {"rank": int(getattr(self, "attn_tp_rank", 0) or 0), "layout": s.layout_b64()}
+    r = requests.put(url, json=payload, timeout=10)
+    if r.status_code != 200:
+        raise RuntimeError(f"OasisKV PD: registering the host tier with the bootstrap server {url} failed: "
+                           f"HTTP {r.status_code} {r.text[:200]}")
+    logger.info("OasisKV PD: host tier registered with NIXL as agent %s (staging pool for decode nodes; "
+                "leases of %.0f s)", s.tier.name, s.lease_s)
+    return result
+
+
+def prefill_release_hook(original, req, tree_cache, *args, **kwargs):
+    """AROUND ``disaggregation.prefill.release_kv_cache``: after a successful transfer the
+    request's pages are leased to its decode node instead of freed (``PrefillSide.lease``);
+    every other release (failures, aborts, retries) frees at once."""
+    s = side()
+    sender = getattr(req, "disagg_kv_sender", None)
+    if isinstance(s, PrefillSide) and sender is not None and req.req_pool_idx is not None:
+        from sglang.srt.disaggregation.base.conn import KVPoll
+        from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+        from sglang.srt.disaggregation.utils import FAKE_BOOTSTRAP_HOST
+
+        if not isinstance(req.finished_reason, FINISH_ABORT) and req.bootstrap_host != FAKE_BOOTSTRAP_HOST \
+                and sender.poll() == KVPoll.Success:
+            s.lease(req.bootstrap_room, lambda: original(req, tree_cache, *args, **kwargs), req.rid,
+                    _uncached_tokens(req, tree_cache))
+            return None
+    return original(req, tree_cache, *args, **kwargs)
+
+
+def _uncached_tokens(req, tree_cache) -> int:
+    """The request's KV slots outside the radix cache, as SGLang's invariant checker counts them
+    (``scheduler_components/invariant_checker.py _get_total_uncached_sizes``)."""
+    n = int(req.kv.kv_allocated_len) if req.kv is not None else 0
+    ps = int(getattr(tree_cache, "page_size", 1) or 1)
+    if ps > 1:
+        n = -(-n // ps) * ps
+    return n - int(getattr(req, "cache_protected_len", 0) or 0)
+
+
+def check_full_pool_hook(original, self, ps, uncached=0, *args, **kwargs):
+    """AROUND ``SchedulerInvariantChecker._check_full_pool`` (SGLang's idle and busy memory checks): the
+    pages a prefill node holds under leases are accounted, not leaked."""
+    s = side()
+    if isinstance(s, PrefillSide):
+        uncached += s.held_tokens()
+    return original(self, ps, uncached, *args, **kwargs)
+
+
+def check_req_pool_hook(original, self, *args, **kwargs):
+    """AROUND ``SchedulerInvariantChecker._check_req_pool``: request rows held by leases are
+    accounted, not leaked (the check passes when free + session + leased rows make the total)."""
+    s = side()
+    if isinstance(s, PrefillSide) and s.leases:
+        rtp = self.req_to_token_pool
+        held = self.pool_stats_observer.session_held_req_count()
+        if len(rtp.free_slots) + held + len(s.leases) == rtp.size:
+            return None
+    return original(self, *args, **kwargs)
+
+
+def prefill_poll_hook(result, self, *args, **kwargs):
+    """AFTER ``SchedulerDisaggregationPrefillMixin.process_disagg_prefill_inflight_queue`` (every
+    loop iteration): free the leases released by decode nodes or expired."""
+    s = side()
+    if isinstance(s, PrefillSide):
+        s.poll()
+    return result
+
+
+def pop_transferred_hook(result, self, *args, **kwargs):
+    """AFTER ``DecodeTransferQueue.pop_transferred``: admit each transferred request into OasisKV
+    (``DecodeSide.admit``); one that cannot be admitted ends with an error, the others go on."""
+    s = side()
+    if not isinstance(s, DecodeSide) or not result:
+        return result
+    from sglang.srt.disaggregation.utils import FAKE_BOOTSTRAP_HOST
+
+    rtt = self.scheduler.req_to_token_pool.req_to_token
+    for req in result:
+        if req.bootstrap_host == FAKE_BOOTSTRAP_HOST:     # SGLang's warm-up: no prefill node, no KV sent
+            continue
+        try:
+            s.admit(req.req_pool_idx, rtt[req.req_pool_idx], len(req.origin_input_ids), req.bootstrap_host,
+                    req.bootstrap_port, req.bootstrap_room, req.rid)
+        except Exception as e:  # noqa: BLE001 - one request's admission must not stop the decode loop
+            logger.error("OasisKV PD: request %s cannot be admitted: %s", req.rid, e)
+            _abort(req, f"OasisKV PD: cannot admit the request: {e}")
+    return result
+
+
+def decode_req_free_hook(self, req, *args, **kwargs):
+    """BEFORE ``DecodeReqToTokenPool.free``: free the request's working set and its remote
+    pages, and tell its prefill node (``DecodeSide.release``)."""
+    from oasis_sglang.sglang_glue.runtime import runtime_of
+
+    rt = runtime_of(self)
+    if rt is not None and req.req_pool_idx is not None:
+        rt.engine.reset_rows([req.req_pool_idx])
+        s = side()
+        if isinstance(s, DecodeSide):
+            s.release(req.req_pool_idx)
+    return None
+
+
+def decode_req_clear_hook(result, self, *args, **kwargs):
+    """AFTER ``DecodeReqToTokenPool.clear``: free every working set and remote page."""
+    from oasis_sglang.sglang_glue.runtime import runtime_of
+
+    rt = runtime_of(self)
+    if rt is not None:
+        rt.engine.reset_rows(list(range(rt.engine.ws.R)))
+        s = side()
+        if isinstance(s, DecodeSide):
+            for row in list(s.rows):
+                s.release(row)
+    return result
+
+
+def _abort(req, message: str) -> None:
+    """End a running request with an error at its next result (SGLang's ``Req.to_finish``; not
+    ``set_finish_with_abort``, which rewrites the prompt of a request not yet prefilled)."""
+    from http import HTTPStatus
+
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+    req.to_finish = FINISH_ABORT(message, HTTPStatus.INTERNAL_SERVER_ERROR, "InternalServerError")
+
+
+def abort_lost(batch) -> None:
+    """Before a decode batch runs (``scheduler_hooks.run_batch_hook``): end with an error the
+    requests whose prefill node was lost (their blocks cannot be read any more)."""
+    s = side()
+    if not isinstance(s, DecodeSide) or not s.remote.lost:
+        return
+    lost = s.lost_rows()
+    for req in getattr(batch, "reqs", None) or []:
+        why = lost.get(req.req_pool_idx)
+        if why is not None and req.to_finish is None and req.finished_reason is None:
+            logger.error("OasisKV PD: request %s ends: its prefill node was lost (%s)", req.rid, why)
+            _abort(req, f"OasisKV PD: the prefill node holding this request's KV cache was lost ({why})")
+            s.aborted += 1

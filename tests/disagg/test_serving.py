@@ -1,0 +1,119 @@
+"""disagg/serving.py over real NIXL (UCX loopback), on the torch engine, without SGLang.
+
+SGLang's transfer is played by copying the regions ``OasisKVPool.get_contiguous_buf_infos``
+advertises page by page (the summaries and the page numbers); the rest is the serving code:
+``DecodeSide.admit`` (the decode node knows only the prefill node's page of each block), a
+synchronous first step that reads its blocks on demand, ``DecodeSide.release`` telling the
+prefill node, whose ``PrefillSide.poll`` frees the lease; expiry; a lost peer's rows."""
+
+import time
+import types
+
+import pytest
+import torch
+
+pytest.importorskip("nixl")
+
+from oasis_sglang.disagg.serving import DecodeSide, PrefillSide  # noqa: E402
+from test_admission import BS, H, HQ, LAYERS, ROWS, TOKENS, D, decode, engine, locs, prefill  # noqa: E402
+
+
+def pool_of(eng):
+    """What DecodeSide needs of SGLang's pool (size, page size, device; it sets pd_page_ids)."""
+    return types.SimpleNamespace(size=TOKENS - BS, page_size=BS, device="cpu", pd_page_ids=None)
+
+
+def sglang_transfer(pf, dc, dc_pool, src_pages, dst_pages):
+    """SGLang's page-by-page copy of the summaries and the page numbers (prefill page p holds p)."""
+    for li in range(len(pf.sparse_layers)):
+        dc.summaries.kmin[li][dst_pages] = pf.summaries.kmin[li][src_pages]
+        dc.summaries.kmax[li][dst_pages] = pf.summaries.kmax[li][src_pages]
+    for t in dc_pool.pd_page_ids:
+        t[dst_pages] = src_pages
+
+
+@pytest.fixture
+def sides():
+    pf, dc = engine(budget=256), engine(budget=256)       # the budget covers the context
+    ps = PrefillSide(pf, lease_s=600)
+    dpool = pool_of(dc)
+    ds = DecodeSide(dc, dpool, read_timeout_s=5)
+    peer = ds.fetcher.add_peer(ps.tier.layout())
+    ds.peers[("prefill-host", 1)] = peer                 # as peer_for would after its bootstrap GET
+    yield pf, dc, ps, ds, dpool
+    ds.tier.close()
+    ps.tier.close()
+
+
+def test_admit_decode_release(sides):
+    pf, dc, ps, ds, dpool = sides
+    prompt, steps = 61, 12
+    n = prompt + steps
+    K, V, Q = torch.randn(LAYERS, n, H, D), torch.randn(LAYERS, n, H, D), torch.randn(LAYERS, n, HQ, D)
+    rt_p = torch.zeros(ROWS, 256, dtype=torch.int32)
+    rt_d = torch.zeros(ROWS, 256, dtype=torch.int32)
+    rt_p[1, :n], rt_d[2, :n] = locs(n), locs(n)
+    prefill(pf, 1, rt_p, K, V, Q, prompt)
+    npg = -(-prompt // BS)
+    src = torch.div(rt_p[1, :npg * BS:BS].long(), BS, rounding_mode="floor")
+    dst = torch.div(rt_d[2, :npg * BS:BS].long(), BS, rounding_mode="floor")
+    assert bool((dpool.pd_page_ids[0] == -1).all())
+    sglang_transfer(pf, dc, dpool, src, dst)
+    released = []
+    ps.lease(77, lambda: released.append(77), "req-77", tokens=npg * BS)
+    assert ps.held_tokens() == npg * BS
+    ds.admit(2, rt_d[2], prompt, "prefill-host", 1, 77, "req-77")
+    assert ds.remote.missing(0) == H * npg                # nothing of the sparse layers' K/V is here
+    for t in range(prompt, n):                           # first step synchronous, then predicted
+        want = decode(pf, 1, rt_p, K, V, Q, t)
+        got = decode(dc, 2, rt_d, K, V, Q, t)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"step {t - prompt}")
+    assert ds.remote.bytes_read > 0 and not ds.remote.lost
+    assert dc.stats.sync_steps >= 1
+    ds.release(2)
+    assert bool(ds.remote.present.all()) and bool((dpool.pd_page_ids[0][dst] == -1).all())
+    for _ in range(200):                                  # the notification crosses UCX loopback
+        if ps.poll():
+            break
+        time.sleep(0.05)
+    assert released == [77] and not ps.leases and ps.released == 1
+
+
+def test_admit_refuses_a_transfer_without_page_numbers(sides):
+    pf, dc, ps, ds, dpool = sides
+    rt_d = torch.zeros(ROWS, 256, dtype=torch.int32)
+    rt_d[2, :40] = locs(40)
+    with pytest.raises(ValueError, match="did not carry the prefill node's page numbers"):
+        ds.admit(2, rt_d[2], 40, "prefill-host", 1, 5)
+    assert not ds.rows
+
+
+def test_lease_expires(sides):
+    _, _, ps, _, _ = sides
+    freed = []
+    ps.lease(1, lambda: freed.append(1), "a")
+    ps.lease(2, lambda: freed.append(2), "b")
+    assert ps.poll() == 0 and not freed
+    assert ps.poll(now=time.monotonic() + 601) == 2 and sorted(freed) == [1, 2]
+    assert ps.expired == 2 and not ps.leases
+
+
+def test_lost_prefill_node_names_its_rows(sides):
+    pf, dc, ps, ds, dpool = sides
+    prompt = 61
+    K, V, Q = torch.randn(LAYERS, prompt + 2, H, D), torch.randn(LAYERS, prompt + 2, H, D), \
+        torch.randn(LAYERS, prompt + 2, HQ, D)
+    rt_p = torch.zeros(ROWS, 256, dtype=torch.int32)
+    rt_d = torch.zeros(ROWS, 256, dtype=torch.int32)
+    rt_p[1, :prompt + 2], rt_d[2, :prompt + 2] = locs(prompt + 2), locs(prompt + 2)
+    prefill(pf, 1, rt_p, K, V, Q, prompt)
+    npg = -(-prompt // BS)
+    src = torch.div(rt_p[1, :npg * BS:BS].long(), BS, rounding_mode="floor")
+    dst = torch.div(rt_d[2, :npg * BS:BS].long(), BS, rounding_mode="floor")
+    sglang_transfer(pf, dc, dpool, src, dst)
+    ds.admit(2, rt_d[2], prompt, "prefill-host", 1, 9, "req-9")
+    ds.fetcher.local.agent.remove_remote_agent(ds.peers[("prefill-host", 1)])   # NIXL forgets it
+    decode(dc, 2, rt_d, K, V, Q, prompt)                   # the step goes on
+    assert list(ds.lost_rows()) == [2] and "PeerLostError" in ds.lost_rows()[2]
+    ds.release(2)                                          # a lost peer is not told; nothing raises
+    assert not ds.rows and not ds.lost_rows()

@@ -1,0 +1,172 @@
+"""``--kv-sparse oasis`` on both nodes of SGLang's PD disaggregation, behind sglang-router (issue 19).
+
+Real SGLang (CPU engine), SmolLM2, NIXL over UCX loopback, the real router. At admission only
+the dense layers' KV, the key summaries and the prefill node's page numbers cross (SGLang's own
+transfer of the regions ``OasisKVPool.get_contiguous_buf_infos`` advertises); the decode node
+reads the sparse layers' blocks from the prefill node's host tier on demand
+(``disagg/serving.py``).
+
+One deployment (budget 512, block 8) for all four:
+
+- greedy output through the router equals one dense server when the budget covers the context
+  (prompts up to 464 tokens + 24 new); the admission lines report what crossed;
+- more requests than the prefill node has request rows: its pages are leased and freed when the
+  decode node releases them (else the later requests would wait for the lease to expire);
+- needles at budget 512 through the router;
+- the prefill process killed mid-decode: the request ends with an error, the decode node's
+  /health stays 200 and it serves a request from a new prefill node.
+"""
+
+import concurrent.futures as cf
+import re
+import time
+
+import pytest
+import requests
+
+pytest.importorskip("nixl")
+pytest.importorskip("sglang_router")
+
+from oasis_sglang import needle  # noqa: E402
+from oasis_sglang.models import essay_texts  # noqa: E402
+from oasis_sglang.testing.launch import base_args, check_port_free, free_port, launch, oasis_args  # noqa: E402
+from test_e2e import NEEDLE_CASES, NEEDLE_CFG, OUT, _exact_prompts, chat, generate_ids  # noqa: E402
+from test_e2e_pd import PD, start_router  # noqa: E402
+
+pytestmark = pytest.mark.e2e
+CFG = {**NEEDLE_CFG, "pd_read_timeout_s": 5.0}
+ADMITTED = re.compile(r"OasisKV PD: admitted request \S+ from \S+: (\d+) prompt tokens, ([\d.]+) MiB at admission "
+                      r".* vs ([\d.]+) MiB for a full transfer \(([\d.]+)x less\)")
+
+
+class Deployment:
+    """A prefill node and a decode node with ``--kv-sparse oasis`` and the router in front."""
+
+    def __init__(self, model, cfg, name, prefill_rows=2):
+        self.model, self.cfg, self.name = model, cfg, name
+        self.bootstrap = free_port()
+        self.prefill_rows = prefill_rows
+        self.pf = self.dc = self.router = None
+        self.pf = self.start_prefill()
+        self.dc = launch(model, 0, base_args() + oasis_args(**cfg) + PD + ["--disaggregation-mode", "decode"],
+                         OUT / f"{name}_decode.log")
+        self.url, self.router = start_router(self.pf.url, self.bootstrap, self.dc.url)
+
+    def start_prefill(self, port=0, suffix=""):
+        return launch(self.model, port, base_args(max_running_requests=self.prefill_rows) + oasis_args(**self.cfg)
+                      + PD + ["--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(self.bootstrap)],
+                      OUT / f"{self.name}_prefill{suffix}.log")
+
+    def stop(self):
+        if self.router is not None:
+            self.router.kill()
+        for s in (self.dc, self.pf):
+            if s is not None:
+                s.stop()
+
+
+@pytest.fixture(scope="module")
+def pd(model):
+    d = Deployment(model, CFG, "pd_oasis")
+    yield d
+    d.stop()
+
+
+def short_prompts(tok):
+    """Prompts the budget (512 tokens) covers with 24 new tokens: ending mid-block and on one."""
+    ids = tok.encode(essay_texts()[3][1], add_special_tokens=False)
+    return [_exact_prompts(tok)[0], ids[:301], ids[:464]]
+
+
+def test_greedy_through_router_equals_dense(model, tok, pd):
+    prompts = short_prompts(tok)
+    n_new = 24
+    srv = launch(model, 0, base_args(), OUT / "pd_oasis_ref_dense.log")
+    try:
+        ref = [generate_ids(srv.url, p, n_new) for p in prompts]
+    finally:
+        srv.stop()
+    with cf.ThreadPoolExecutor(len(prompts)) as ex:        # together: the decode node runs them batched
+        got = list(ex.map(lambda p: generate_ids(pd.url, p, n_new), prompts))
+    for p, r, g in zip(prompts, ref, got):
+        assert len(p) + n_new <= CFG["budget_tokens"]
+        assert g == r, f"prompt of {len(p)} tokens: PD oasis {g} != dense {r}"
+    dlog = pd.dc.log()
+    assert "OasisKV decode:" in dlog, "the decode node's OasisKV decode path did not run"
+    assert "OasisKV PD: host tier registered" in pd.pf.log()
+    admitted = {int(m[0]): float(m[3]) for m in ADMITTED.findall(dlog)}
+    assert set(admitted) >= {len(p) for p in prompts}, admitted
+
+
+def test_prefill_pages_are_released_by_the_decode_node(tok, pd):
+    """The prefill node has ``prefill_rows`` request rows; each transferred request holds one
+    under its lease until the decode node releases it. Three times as many requests in a row
+    finish only if the releases arrive (the lease would hold them for 600 s)."""
+    ids = tok.encode("The history of the printing press", add_special_tokens=False)
+    t0 = time.time()
+    for i in range(3 * pd.prefill_rows + 2):
+        generate_ids(pd.url, ids + [100 + i], 4)
+    assert time.time() - t0 < 300
+    freed = [int(m) for m in re.findall(r"OasisKV PD: freed \d+ lease\(s\); released by decode nodes: (\d+)",
+                                        pd.pf.log())]
+    assert freed and max(freed) >= 3 * pd.prefill_rows, freed
+
+
+@pytest.mark.parametrize("tokens,depth", NEEDLE_CASES)
+def test_needles_through_router_at_budget_512(tok, pd, tokens, depth):
+    p = needle.build(tok, tokens, depth)
+    n = len(needle.chat_ids(tok, p.messages))
+    assert n >= 4 * 512
+    o = chat(pd.url, p.messages)
+    assert p.answer in o, f"PD oasis (budget 512) lost the needle: {o!r}"
+    lines = [l for l in pd.dc.log().splitlines() if "OasisKV decode:" in l]
+    assert lines, "the decode node's OasisKV decode path did not run"
+    assert "(budget 512)" in lines[-1]
+    # what crossed at admission: dense layers' KV, summaries (2 / 8 of the sparse layers' keys),
+    # page numbers; the issue's target is >= 4x less than a full transfer at block 8
+    ratio = {int(m[0]): float(m[3]) for m in ADMITTED.findall(pd.dc.log())}
+    assert ratio.get(n, 0) >= 4.0, (n, ratio)
+
+
+def test_prefill_killed_mid_decode(model, tok, pd):
+    """Kill the prefill process while the decode node still reads blocks from it: the request
+    ends with an error in bounded time, the decode node stays healthy and serves the next
+    request from a restarted prefill node."""
+    p = needle.build(tok, 6000, 0.3)
+    body = {"model": "m", "messages": p.messages, "max_tokens": 400, "temperature": 0,
+            "ignore_eos": True}
+    mark = len(pd.dc.log())
+    with cf.ThreadPoolExecutor(1) as ex:
+        fut = ex.submit(lambda: requests.post(pd.url + "/v1/chat/completions", json=body, timeout=600))
+        # wait until the decode node admitted the request (it then reads blocks every few steps)
+        n = len(needle.chat_ids(tok, p.messages))
+        t0 = time.time()
+        while time.time() - t0 < 600 and n not in [int(m[0]) for m in ADMITTED.findall(pd.dc.log()[mark:])]:
+            assert not fut.done(), fut.result().text
+            time.sleep(0.5)
+        pd.pf.stop()
+        t_kill = time.time()
+        r = fut.result(timeout=300)
+    assert r.status_code != 200 or "error" in r.text.lower() or r.json()["choices"][0]["finish_reason"] == "abort", r.text
+    assert time.time() - t_kill < 120
+    assert "its prefill node was lost" in pd.dc.log()[mark:]
+    assert requests.get(pd.dc.url + "/health", timeout=30).status_code == 200
+    # a new prefill node on the same ports (the router knows that URL and bootstrap port)
+    port = int(pd.pf.url.rsplit(":", 1)[1])
+    for _ in range(60):
+        try:
+            check_port_free(port)
+            break
+        except OSError:
+            time.sleep(2)
+    pd.pf = pd.start_prefill(port=port, suffix="_restarted")
+    ok = None
+    t0 = time.time()
+    while time.time() - t0 < 300:
+        r = requests.post(pd.url + "/generate", json={"text": "Hello", "sampling_params": {"max_new_tokens": 4}},
+                          timeout=300)
+        if r.status_code == 200:
+            ok = r
+            break
+        time.sleep(3)
+    assert ok is not None, "no request served after the prefill node restarted"
