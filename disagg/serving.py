@@ -49,6 +49,7 @@ from .transport import NixlTier, PeerLostError, RemoteBlockFetcher, TierLayout
 logger = logging.getLogger(__name__)
 
 RELEASE = b"oasis-release:"
+RENEW = b"oasis-renew:"
 TIER_ROUTE = "/oasis/tier"
 
 # this process's side (one scheduler / TP rank per process); set by sglang_glue/install.py
@@ -101,12 +102,19 @@ class PrefillSide:
 
     def lease(self, room: int, release, rid: str = "", tokens: int = 0) -> None:
         """Hold a transferred request's pages until its decode node releases them (or
-        ``lease_s`` passes). ``release``: a callable freeing them (called once); ``tokens``:
-        the KV slots it holds outside the radix cache (SGLang's idle memory check counts them)."""
+        ``lease_s`` passes without a renewal). ``release``: a callable freeing them (called
+        once); ``tokens``: the KV slots it holds outside the radix cache (SGLang's idle memory
+        check counts them)."""
         old = self.leases.pop(int(room), None)
         if old is not None:          # a room reused while its lease is held: free the old pages first
-            old.release()
+            self._free(int(room), old)
         self.leases[int(room)] = Lease(release, time.monotonic() + self.lease_s, rid, int(tokens))
+
+    def _free(self, room: int, lease: Lease) -> None:
+        try:
+            lease.release()
+        except Exception:  # noqa: BLE001 - one request's release must not stop the prefill loop
+            logger.exception("OasisKV PD: freeing the pages of request %s (room %d) failed", lease.rid, room)
 
     def held_tokens(self) -> int:
         """KV slots held by leases (outside the radix cache)."""
@@ -121,24 +129,28 @@ class PrefillSide:
         except Exception as e:  # noqa: BLE001 - a notification error must not stop the prefill loop
             logger.warning("OasisKV PD: reading NIXL notifications failed: %s", e)
             notifs = {}
+        now = time.monotonic() if now is None else now
         for msgs in notifs.values():
             for m in msgs:
-                if m.startswith(RELEASE):
-                    try:
-                        room = int(m[len(RELEASE):])
-                    except ValueError:
-                        continue
-                    lease = self.leases.pop(room, None)
-                    if lease is not None:
-                        lease.release()
-                        self.released += 1
-                        n += 1
-        now = time.monotonic() if now is None else now
+                kind = RELEASE if m.startswith(RELEASE) else RENEW if m.startswith(RENEW) else None
+                digits = m[len(kind):] if kind else b""
+                if not (digits.isdigit() and len(digits) <= 20):
+                    continue                 # not ours, or malformed: ignored
+                room = int(digits)
+                if kind == RENEW:
+                    if room in self.leases:
+                        self.leases[room].deadline = now + self.lease_s
+                    continue
+                lease = self.leases.pop(room, None)
+                if lease is not None:
+                    self._free(room, lease)
+                    self.released += 1
+                    n += 1
         for room in [r for r, x in self.leases.items() if x.deadline <= now]:
             lease = self.leases.pop(room)
-            logger.warning("OasisKV PD: lease of request %s (room %d) expired after %.0f s without a release "
-                           "from its decode node; its pages are freed", lease.rid, room, self.lease_s)
-            lease.release()
+            logger.warning("OasisKV PD: lease of request %s (room %d) expired: no release or renewal from its "
+                           "decode node for %.0f s; its pages are freed", lease.rid, room, self.lease_s)
+            self._free(room, lease)
             self.expired += 1
             n += 1
         if n:
@@ -168,7 +180,9 @@ class DecodeSide:
 
     role = "decode"
 
-    def __init__(self, engine, pool, read_timeout_s: float, tp_rank: int = 0):
+    RETRY_S = 10.0        # a prefill node whose layout could not be had is asked again after this
+
+    def __init__(self, engine, pool, read_timeout_s: float, tp_rank: int = 0, lease_s: float = 600.0):
         self.engine, self.pool = engine, pool
         self.tier = NixlTier(engine.host.k, engine.host.v, agent_name("decode", tp_rank))
         self.fetcher = RemoteBlockFetcher(self.tier, timeout_s=read_timeout_s)
@@ -182,16 +196,31 @@ class DecodeSide:
         self.rows: dict[int, Admitted] = {}
         self.aborted = 0
         self.admission_bytes = self.full_transfer_bytes = 0       # over every admitted request
+        self._failed: dict[tuple[str, int], tuple[float, str]] = {}   # (host, port) -> (retry after, why)
+        self.renew_s = max(1.0, float(lease_s) / 4)
+        self._next_renew = 0.0
 
     # ---- peers ------------------------------------------------------------------------------
-    def peer_for(self, host: str, port: int, tries: int = 20) -> str:
+    def peer_for(self, host: str, port: int, tries: int = 3) -> str:
         """The NIXL agent of the prefill node behind bootstrap ``host:port`` (its layout fetched
-        from the bootstrap server once). Raises ``PeerLostError`` when it cannot be had."""
+        from the bootstrap server once; runs in the decode scheduler's loop, so it gives up
+        within a few seconds and remembers a failure for ``RETRY_S``).
+
+        Raises:
+            PeerLostError: no layout there (not an OasisKV prefill node, or unreachable), a
+                layout this node cannot read from (another block size, head count, layers),
+                or a lost node still backing requests being ended.
+        """
         key = (str(host), int(port))
         agent = self.peers.get(key)
         if agent is not None and agent not in self.remote.lost:
             return agent
-        if agent is not None:               # that prefill node was lost: a new one may serve there now
+        failed = self._failed.get(key)
+        if failed is not None and time.monotonic() < failed[0]:
+            raise PeerLostError(f"{key[0]}:{key[1]}", failed[1])
+        if agent is not None:               # lost: take it back (or a new node there) once its requests ended
+            if not self.remote.forget_lost(agent):
+                raise PeerLostError(agent, "lost; its requests are still being ended")
             self.fetcher.remove_peer(agent)
             del self.peers[key]
         import requests
@@ -201,20 +230,55 @@ class DecodeSide:
         why = "no answer"
         for i in range(tries):
             try:
-                r = requests.get(url, timeout=5)
-                if r.status_code == 200:
-                    lay = TierLayout.from_bytes(base64.b64decode(r.json()["layout"]))
-                    agent = self.fetcher.add_peer(lay)
-                    self.peers[key] = agent
-                    return agent
-                why = f"HTTP {r.status_code}: {r.text[:200]}"
-                if r.status_code == 404 and "no OasisKV" in r.text:
-                    break
-            except (OSError, ValueError, KeyError, requests.RequestException) as e:
+                r = requests.get(url, timeout=2)
+            except requests.RequestException as e:
                 why = f"{type(e).__name__}: {e}"
-            time.sleep(min(0.5 * (i + 1), 2.0))
-        raise PeerLostError(f"{key[0]}:{key[1]}", f"no OasisKV host tier at its bootstrap server ({why}); "
-                            "run the prefill node with --kv-sparse oasis and the same --kv-sparse-config")
+                time.sleep(0.5 * (i + 1))
+                continue
+            if r.status_code == 200:
+                try:
+                    lay = TierLayout.from_bytes(base64.b64decode(r.json()["layout"], validate=True))
+                    agent = self.fetcher.add_peer(lay)
+                except Exception as e:  # noqa: BLE001 - a layout we cannot use: no retry helps
+                    why = f"unusable host tier layout: {type(e).__name__}: {e}"
+                    break
+                self.peers[key] = agent
+                self.remote.forget_lost(agent)
+                self._failed.pop(key, None)
+                return agent
+            why = f"HTTP {r.status_code}: {r.text[:200]}"
+            if r.status_code == 404:
+                break
+            time.sleep(0.5 * (i + 1))
+        why = (f"no usable OasisKV host tier at its bootstrap server ({why}); run the prefill node with "
+               "--kv-sparse oasis and the same --kv-sparse-config")
+        self._failed[key] = (time.monotonic() + self.RETRY_S, why)
+        raise PeerLostError(f"{key[0]}:{key[1]}", why)
+
+    def renew(self, now: float | None = None) -> None:
+        """Keep the leases of the requests decoding here alive on their prefill nodes (a
+        notification per request every ``lease_s / 4``; called before each decode batch)."""
+        now = time.monotonic() if now is None else now
+        if now < self._next_renew or not self.rows:
+            return
+        self._next_renew = now + self.renew_s
+        for adm in self.rows.values():
+            if adm.peer not in self.remote.lost:
+                try:
+                    self.tier.agent.send_notif(adm.peer, RENEW + str(adm.room).encode())
+                except Exception as e:  # noqa: BLE001 - the next read from that peer decides whether it is lost
+                    logger.warning("OasisKV PD: renewing the lease of request %s failed: %s", adm.rid, e)
+
+    def refuse(self, host: str, port: int, room: int, rid: str = "") -> None:
+        """A transferred request that could not be admitted: tell its prefill node to free its
+        pages now (when that node is known and not lost), instead of holding them to expiry."""
+        agent = self.peers.get((str(host), int(port)))
+        if agent is None or agent in self.remote.lost:
+            return
+        try:
+            self.tier.agent.send_notif(agent, RELEASE + str(int(room)).encode())
+        except Exception as e:  # noqa: BLE001
+            logger.warning("OasisKV PD: could not release the lease of refused request %s: %s", rid, e)
 
     # ---- requests ---------------------------------------------------------------------------
     def admit(self, row: int, req_to_token_row: torch.Tensor, prompt_len: int, host: str, port: int,
@@ -228,6 +292,14 @@ class DecodeSide:
             ValueError: the received page numbers are missing or torn (the transfer did not
                 carry OasisKV's regions: a prefill node without ``--kv-sparse oasis``).
         """
+        if isinstance(row, bool) or not isinstance(row, int) or not 0 <= row < self.engine.ws.R:
+            raise ValueError(f"OasisKV PD: admit: row {row!r} not in 0..{self.engine.ws.R - 1}")
+        if not 0 < prompt_len <= req_to_token_row.numel():
+            raise ValueError(f"OasisKV PD: admit: prompt_len {prompt_len} not in 1..{req_to_token_row.numel()}")
+        if row in self.rows:            # SGLang reused the row: its last request ended without our free hook
+            logger.warning("OasisKV PD: row %d still held request %s; releasing it for request %s",
+                           row, self.rows[row].rid, rid)
+            self.release(row)
         peer = self.peer_for(host, port)
         pages = request_pages(req_to_token_row, prompt_len, self.engine.bs)
         pd = pages.to(self.pool.pd_page_ids[0].device)
@@ -235,6 +307,9 @@ class DecodeSide:
         if bool((src < 0).any()) or not torch.equal(src, self.pool.pd_page_ids[1][pd].to("cpu")):
             raise ValueError("OasisKV PD: the transfer did not carry the prefill node's page numbers (is the prefill "
                              "node running --kv-sparse oasis with the same block_size and dense_layers?)")
+        if int(src.max()) >= self.fetcher.peers[peer].num_pages:
+            raise ValueError(f"OasisKV PD: received page numbers up to {int(src.max())}, but the prefill node's host "
+                             f"tier has {self.fetcher.peers[peer].num_pages} pages")
         self.engine.reset_rows([row])
         self.remote.admit(pages, peer, src)
         self.rows[int(row)] = Admitted(pages, peer, int(room), rid)

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import logging
 
+import base64
+
 from .serving import TIER_ROUTE, DecodeSide, PrefillSide, side
+from .transport import TierLayout
 
 logger = logging.getLogger(__name__)
 
@@ -27,15 +30,19 @@ def bootstrap_routes_hook(result, self, *args, **kwargs):
         if request.method == "PUT":
             try:
                 d = await request.json()
-                tiers[int(d["rank"])] = str(d["layout"])
-            except (ValueError, KeyError, TypeError) as e:
+                rank, layout = d["rank"], d["layout"]
+                if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+                    raise ValueError(f"rank {rank!r}: want an integer >= 0")
+                TierLayout.from_bytes(base64.b64decode(layout, validate=True))
+                tiers[rank] = layout
+            except (ValueError, KeyError, TypeError, OverflowError) as e:
                 return web.Response(status=400, text=f"OasisKV tier registration: {type(e).__name__}: {e}")
             return web.Response(text="OK")
         if request.method != "GET":
             return web.Response(status=405, text="Method not allowed")
         try:
             rank = int(request.query.get("rank", "0"))
-        except ValueError:
+        except (ValueError, OverflowError):
             return web.Response(status=400, text="rank must be an integer")
         if rank not in tiers:
             return web.Response(status=404, text=f"no OasisKV host tier registered for rank {rank} (is the "
@@ -122,6 +129,17 @@ def check_req_pool_hook(original, self, *args, **kwargs):
     return original(self, *args, **kwargs)
 
 
+def flush_cache_hook(original, self, *args, **kwargs):
+    """AROUND ``Scheduler.flush_cache``: a prefill node holding leases is not idle (decode nodes
+    still read those pages): refuse the flush, as SGLang refuses it with requests pending."""
+    s = side()
+    if isinstance(s, PrefillSide) and s.leases:
+        logger.warning("Cache not flushed because %d transferred request(s) are still leased to decode nodes "
+                       "(OasisKV PD; they end at their release or after pd_lease_s)", len(s.leases))
+        return False
+    return original(self, *args, **kwargs)
+
+
 def prefill_poll_hook(result, self, *args, **kwargs):
     """AFTER ``SchedulerDisaggregationPrefillMixin.process_disagg_prefill_inflight_queue`` (every
     loop iteration): free the leases released by decode nodes or expired."""
@@ -149,6 +167,7 @@ def pop_transferred_hook(result, self, *args, **kwargs):
         except Exception as e:  # noqa: BLE001 - one request's admission must not stop the decode loop
             logger.error("OasisKV PD: request %s cannot be admitted: %s", req.rid, e)
             _abort(req, f"OasisKV PD: cannot admit the request: {e}")
+            s.refuse(req.bootstrap_host, req.bootstrap_port, req.bootstrap_room, req.rid)
     return result
 
 
@@ -191,10 +210,14 @@ def _abort(req, message: str) -> None:
 
 
 def abort_lost(batch) -> None:
-    """Before a decode batch runs (``scheduler_hooks.run_batch_hook``): end with an error the
-    requests whose prefill node was lost (their blocks cannot be read any more)."""
+    """Before a decode batch runs (``scheduler_hooks.run_batch_hook``): renew the leases of the
+    requests decoding here, and end with an error those whose prefill node was lost (their
+    blocks cannot be read any more)."""
     s = side()
-    if not isinstance(s, DecodeSide) or not s.remote.lost:
+    if not isinstance(s, DecodeSide):
+        return
+    s.renew()
+    if not s.remote.lost:
         return
     lost = s.lost_rows()
     for req in getattr(batch, "reqs", None) or []:

@@ -152,7 +152,11 @@ class OasisConfig:
                 f"a positive integer of bytes per decode step (at most 2**62), or null; got {tb!r}")
         for key in ("pd_lease_s", "pd_read_timeout_s"):
             val = getattr(self, key)
-            if isinstance(val, bool) or not isinstance(val, (int, float)) or not math.isfinite(val) or val <= 0:
+            try:
+                ok = not isinstance(val, bool) and isinstance(val, (int, float)) and 0 < float(val) < math.inf
+            except OverflowError:
+                ok = False
+            if not ok:
                 raise OasisConfigError(f"kv_sparse_config: '{key}' must be a positive number of seconds, got {val!r}")
             object.__setattr__(self, key, float(val))
         if not isinstance(self.measure_agreement, bool):

@@ -125,6 +125,16 @@ class RemoteBlocks:
         self.bytes_read += n
         return n
 
+    def forget_lost(self, peer: str) -> bool:
+        """Take back a lost peer (seen alive again) once none of this node's pages is backed by
+        it any more (its requests ended and were released). Returns whether it was taken back."""
+        if peer not in self.lost:
+            return True
+        if peer in self.peer_names and bool((self.peer == self.peer_names.index(peer)).any()):
+            return False
+        del self.lost[peer]
+        return True
+
     def failed_pages(self) -> torch.Tensor:
         """``[N]`` int64 pages whose peer was lost (their requests must end with an error)."""
         lost = [i for i, n in enumerate(self.peer_names) if n in self.lost]

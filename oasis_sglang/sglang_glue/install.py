@@ -88,12 +88,15 @@ def init_attention_backends_hook(result, model_runner, *args, **kwargs):
     rtp._oasis = runtime
     pd = str(getattr(sa, "disaggregation_mode", "null") or "null")
     if pd in ("prefill", "decode"):
+        if not engine.sparse_layers:
+            raise OasisConfigError("--kv-sparse oasis with --disaggregation-mode: 'dense_layers' lists every layer; "
+                                   "PD needs at least one sparse layer (or run --kv-sparse none)")
         # PD: the host tier is the prefill node's staging pool / the decode node's cache of read
         # blocks, registered with NIXL (disagg/serving.py)
         from oasis_sglang.disagg import serving
 
         serving.set_side(serving.PrefillSide(engine, cfg.pd_lease_s, tp_rank) if pd == "prefill" else
-                         serving.DecodeSide(engine, pool, cfg.pd_read_timeout_s, tp_rank))
+                         serving.DecodeSide(engine, pool, cfg.pd_read_timeout_s, tp_rank, cfg.pd_lease_s))
         runtime.pd_decode = pd == "decode"
     log = DecodeLog(engine, getattr(sa, "decode_log_interval", 40) or 40, make_metrics(sa) if first else None,
                     draft_match, emit=first)

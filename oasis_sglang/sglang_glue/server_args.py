@@ -223,6 +223,9 @@ def _pd_args(args, mode: str, spec: bool, bad) -> None:
     if backend != "nixl":
         bad("--disaggregation-transfer-backend", f"{backend!r}: must be nixl (the decode node reads blocks from "
             "the prefill node's host tier with NIXL)")
+    if getattr(args, "disaggregation_decode_enable_radix_cache", False):
+        bad("--disaggregation-decode-enable-radix-cache", "cannot be combined: a prefix hit on the decode node "
+            "would skip the transfer of the page numbers its blocks are read by")
     if spec:
         bad("--speculative-algorithm", "cannot be combined with --disaggregation-mode yet (the draft model's KV "
             "is not sent to the decode node)")

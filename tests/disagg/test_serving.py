@@ -117,3 +117,66 @@ def test_lost_prefill_node_names_its_rows(sides):
     assert list(ds.lost_rows()) == [2] and "PeerLostError" in ds.lost_rows()[2]
     ds.release(2)                                          # a lost peer is not told; nothing raises
     assert not ds.rows and not ds.lost_rows()
+    peer = ds.peers[("prefill-host", 1)]
+    assert ds.remote.forget_lost(peer) and peer not in ds.remote.lost    # its requests ended: taken back
+
+
+def _deliver(ps, want=1):
+    for _ in range(200):                                  # notifications cross UCX loopback
+        if ps.poll():
+            return
+        time.sleep(0.05)
+
+
+def test_renewals_keep_a_lease_and_bad_messages_and_releases_do_not_stop_the_loop(sides):
+    pf, dc, ps, ds, dpool = sides
+    freed = []
+
+    def boom():
+        raise RuntimeError("release failed")
+
+    ps.lease(1, boom, "bad")
+    ps.lease(2, lambda: freed.append(2), "good")
+    ps.lease(3, lambda: freed.append(3), "renewed")
+    peer = ds.peers[("prefill-host", 1)]
+    t0 = time.monotonic()
+    ps.leases[3].deadline = t0 + 1.0
+    for m in (b"oasis-release: 2 ", b"oasis-release:+2", b"oasis-release:", b"oasis-release:1", b"oasis-renew:3",
+              b"oasis-release:2"):
+        ds.tier.agent.send_notif(peer, m)
+    for _ in range(100):
+        ps.poll()
+        if freed:
+            break
+        time.sleep(0.05)
+    assert freed == [2] and 1 not in ps.leases and ps.released == 2      # the raising release was dropped, logged
+    assert ps.leases[3].deadline > t0 + 100                                # renewed to lease_s from now
+    ds.rows[5] = types.SimpleNamespace(peer=peer, room=3, rid="r", pages=torch.tensor([0]))
+    ds.renew(now=1e9)                                                       # what the decode batch hook calls
+    ds.rows.clear()
+
+
+def test_refused_admission_releases_the_lease(sides):
+    pf, dc, ps, ds, dpool = sides
+    freed = []
+    ps.lease(11, lambda: freed.append(11), "refused")
+    ds.refuse("prefill-host", 1, 11, "refused")
+    _deliver(ps)
+    assert freed == [11] and not ps.leases
+    ds.refuse("unknown-host", 9, 12)                      # unknown prefill node: nothing to tell, nothing raised
+
+
+def test_an_unreachable_prefill_node_fails_fast_and_is_remembered(sides):
+    from oasis_sglang.disagg.transport import PeerLostError
+    from oasis_sglang.testing.launch import free_port
+
+    _, _, _, ds, _ = sides
+    port = free_port()                                     # nothing listens there
+    t0 = time.monotonic()
+    with pytest.raises(PeerLostError, match="no usable OasisKV host tier"):
+        ds.peer_for("127.0.0.1", port)
+    assert time.monotonic() - t0 < 10
+    t0 = time.monotonic()
+    with pytest.raises(PeerLostError, match="no usable OasisKV host tier"):
+        ds.peer_for("127.0.0.1", port)                     # remembered: no new wait in the decode loop
+    assert time.monotonic() - t0 < 0.5

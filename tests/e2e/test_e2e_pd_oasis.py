@@ -12,7 +12,7 @@ One deployment (budget 512, block 8) for all four:
   (prompts up to 464 tokens + 24 new); the admission lines report what crossed;
 - more requests than the prefill node has request rows: its pages are leased and freed when the
   decode node releases them (else the later requests would wait for the lease to expire);
-- needles at budget 512 through the router;
+- a needle at budget 512 through the router (6000 tokens), >= 4x less at admission;
 - the prefill process killed mid-decode: the request ends with an error, the decode node's
   /health stays 200 and it serves a request from a new prefill node.
 """
@@ -100,19 +100,29 @@ def test_greedy_through_router_equals_dense(model, tok, pd):
 
 def test_prefill_pages_are_released_by_the_decode_node(tok, pd):
     """The prefill node has ``prefill_rows`` request rows; each transferred request holds one
-    under its lease until the decode node releases it. Three times as many requests in a row
+    under its lease until the decode node releases it. More than twice as many requests in a row
     finish only if the releases arrive (the lease would hold them for 600 s)."""
     ids = tok.encode("The history of the printing press", add_special_tokens=False)
+
+    def released():
+        return max([0] + [int(m) for m in re.findall(
+            r"OasisKV PD: freed \d+ lease\(s\); released by decode nodes: (\d+)", pd.pf.log())])
+
+    before, n = released(), 2 * pd.prefill_rows + 1
     t0 = time.time()
-    for i in range(3 * pd.prefill_rows + 2):
+    for i in range(n):
         generate_ids(pd.url, ids + [100 + i], 4)
     assert time.time() - t0 < 300
-    freed = [int(m) for m in re.findall(r"OasisKV PD: freed \d+ lease\(s\); released by decode nodes: (\d+)",
-                                        pd.pf.log())]
-    assert freed and max(freed) >= 3 * pd.prefill_rows, freed
+    for _ in range(60):                 # the last release may still be on its way
+        if released() - before >= n:
+            break
+        time.sleep(1)
+    assert released() - before == n, (before, released())
+    last = re.findall(r"OasisKV PD: freed \d+ lease\(s\);.* held now: (\d+)", pd.pf.log())[-1]
+    assert last == "0", "every lease was freed"
 
 
-@pytest.mark.parametrize("tokens,depth", NEEDLE_CASES)
+@pytest.mark.parametrize("tokens,depth", NEEDLE_CASES[-1:])       # the longest (the colocated tests run all)
 def test_needles_through_router_at_budget_512(tok, pd, tokens, depth):
     p = needle.build(tok, tokens, depth)
     n = len(needle.chat_ids(tok, p.messages))
@@ -132,8 +142,8 @@ def test_prefill_killed_mid_decode(model, tok, pd):
     """Kill the prefill process while the decode node still reads blocks from it: the request
     ends with an error in bounded time, the decode node stays healthy and serves the next
     request from a restarted prefill node."""
-    p = needle.build(tok, 6000, 0.3)
-    body = {"model": "m", "messages": p.messages, "max_tokens": 400, "temperature": 0,
+    p = needle.build(tok, 2048, 0.3)
+    body = {"model": "m", "messages": p.messages, "max_tokens": 300, "temperature": 0,
             "ignore_eos": True}
     mark = len(pd.dc.log())
     with cf.ThreadPoolExecutor(1) as ex:

@@ -72,7 +72,10 @@ def test_oasis_sets_dependent_defaults(model, monkeypatch):
      "--tp-size must be 1 with --disaggregation-mode"),
     (dict(disaggregation_mode="decode", disaggregation_transfer_backend="nixl", speculative_algorithm="NGRAM"),
      "--speculative-algorithm cannot be combined with --disaggregation-mode"),
+    (dict(disaggregation_mode="decode", disaggregation_transfer_backend="nixl",
+          disaggregation_decode_enable_radix_cache=True), "--disaggregation-decode-enable-radix-cache"),
     (dict(kv_sparse_config='{"pd_lease_s": 0}'), "pd_lease_s"),
+    (dict(kv_sparse_config='{"pd_lease_s": %d}' % 10 ** 400), "pd_lease_s"),
     (dict(kv_sparse_config='{"pd_read_timeout_s": "10"}'), "pd_read_timeout_s"),
 ])
 def test_bad_combinations_name_the_flag(model, kw, key):
