@@ -15,11 +15,13 @@ Rules (stated, tested in tests/e2e/test_e2e_pd_oasis.py):
   reads the selected blocks before attending; later steps use the configured predictor.
 - A block not here yet: the step waits for its READ (deadline ``pd_read_timeout_s``). A READ
   that fails or runs late marks the prefill node lost; its requests end with an error before
-  the next step (``abort_lost``), everyone else keeps decoding.
+  the next step (``abort_lost``), everyone else keeps decoding; once they have ended, a node
+  answering at that bootstrap address again is used for new requests.
 - Prefill pages: after SGLang's transfer the prefill node holds the request's pages under a
-  lease instead of freeing them (``PrefillSide.lease``); the decode node releases the lease
-  when the request ends (a NIXL notification ``oasis-release:<room>``), or it expires after
-  ``pd_lease_s`` seconds.
+  lease instead of freeing them (``PrefillSide.lease``); the decode node renews it while the
+  request decodes (``oasis-renew:<room>`` every ``pd_lease_s / 4``) and releases it when the
+  request ends or cannot be admitted (``oasis-release:<room>``, NIXL notifications); a lease
+  neither renewed nor released for ``pd_lease_s`` seconds expires.
 - Finding a prefill node's host tier: its layout (``transport.TierLayout``) is PUT to SGLang's
   bootstrap server (route ``/oasis/tier``, added to ``CommonKVBootstrapServer``) when the
   prefill registers; a decode node GETs it from the request's ``bootstrap_host:port`` the first
@@ -197,7 +199,7 @@ class DecodeSide:
         self.aborted = 0
         self.admission_bytes = self.full_transfer_bytes = 0       # over every admitted request
         self._failed: dict[tuple[str, int], tuple[float, str]] = {}   # (host, port) -> (retry after, why)
-        self.renew_s = max(1.0, float(lease_s) / 4)
+        self.renew_s = float(lease_s) / 4
         self._next_renew = 0.0
 
     # ---- peers ------------------------------------------------------------------------------

@@ -72,10 +72,10 @@ class OasisConfig:
             ``null`` (no step budget: ``fetch_cap`` alone). ``fetch_cap`` stays the per-head
             ceiling; free-slot fills and sink / recent blocks are never refused. Default "auto"
             (on CPU, where nothing crosses a link, it stays unlimited).
-        pd_lease_s: PD prefill node (``--disaggregation-mode prefill``): seconds it keeps a
-            transferred request's KV pages (its host-tier blocks are the decode node's staging
-            pool, read on demand) when the decode node neither releases them (request finished)
-            nor is seen again. Default 600; > 0.
+        pd_lease_s: PD: seconds a prefill node keeps a transferred request's KV pages (its
+            host-tier blocks are the decode node's staging pool, read on demand) without a
+            release (request finished) or a renewal (sent every ``pd_lease_s / 4`` while the
+            request decodes) from its decode node. Default 600; > 0.
         pd_read_timeout_s: PD decode node: deadline in seconds of one NIXL read of blocks from
             a prefill node; a read that fails or runs past it marks that node lost and ends its
             requests with an error (``disagg/serving.py``). Default 10; > 0.

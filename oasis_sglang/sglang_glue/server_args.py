@@ -235,7 +235,7 @@ def _pd_args(args, mode: str, spec: bool, bad) -> None:
     try:
         import nixl  # noqa: F401
     except ImportError:
-        bad("--disaggregation-mode", "needs the nixl package (pip install 'oasis-sglang[disagg]')")
+        bad("--disaggregation-mode", "needs the nixl package (from a checkout: pip install -c constraints.txt '.[disagg]')")
 
 
 def _overlap_args(args, spec: bool, cpu: bool = False) -> None:

@@ -1,6 +1,5 @@
 """SGLang's own PD disaggregation on the CPU engine, through sglang-router, with NIXL over UCX
-loopback: the groundwork of issue 19 (``--kv-sparse oasis`` with PD is not built yet, and is
-still refused at start-up).
+loopback, with dense KV (``--kv-sparse oasis`` with PD: ``test_e2e_pd_oasis.py``).
 
 A prefill server (``--disaggregation-mode prefill``), a decode server (``decode``) and the router
 (``--pd-disaggregation``) serve SmolLM2 with dense KV; their greedy output equals one dense server's.
