@@ -289,6 +289,12 @@ class DecodeSide:
         node's pages (``pd_page_ids``, received with the transfer); nothing of its sparse
         layers' K/V is here yet. Its row starts empty, so its first step selects synchronously.
 
+        Args:
+            row: the request's row in SGLang's request table. req_to_token_row: ``[max_len]``
+                integer token slots of that row. prompt_len: prompt tokens (their KV was sent).
+            host, port: the request's bootstrap address (finds its prefill node). room: its
+                bootstrap room (names its lease there). rid: for log lines.
+
         Raises:
             PeerLostError: the prefill node's host tier cannot be found.
             ValueError: the received page numbers are missing or torn (the transfer did not

@@ -153,6 +153,7 @@ def test_renewals_keep_a_lease_and_bad_messages_and_releases_do_not_stop_the_loo
     assert ps.leases[3].deadline > t0 + 100                                # renewed to lease_s from now
     ds.rows[5] = types.SimpleNamespace(peer=peer, room=3, rid="r", pages=torch.tensor([0]))
     ds.renew(now=1e9)                                                       # what the decode batch hook calls
+    assert ds._next_renew == 1e9 + 150.0                                    # the next one a quarter lease later
     ds.rows.clear()
 
 
