@@ -68,6 +68,12 @@ def set_side(s) -> None:
     _SIDE = s
 
 
+def connect_host(host: str) -> str:
+    """A bind address as one to connect to: the wildcards ``0.0.0.0`` / ``::`` become the
+    loopback of their family (as SGLang's ``CommonKVManager.register_to_bootstrap`` does)."""
+    return {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
+
+
 def agent_name(role: str, tp_rank: int) -> str:
     """A NIXL agent name unique per process: ``oasis-<role>-<8 hex>-tp<rank>``."""
     return f"oasis-{role}-{uuid.uuid4().hex[:8]}-tp{tp_rank}"
@@ -119,7 +125,7 @@ class PrefillSide:
             logger.exception("OasisKV PD: freeing the pages of request %s (room %d) failed", lease.rid, room)
 
     def held_tokens(self) -> int:
-        """KV slots held by leases (outside the radix cache)."""
+        """KV slots (tokens) held by leases, outside the radix cache."""
         return sum(x.tokens for x in self.leases.values())
 
     def poll(self, now: float | None = None) -> int:
@@ -163,7 +169,8 @@ class PrefillSide:
 
 @dataclass
 class Admitted:
-    """A decode-node request admitted from a prefill node: its pages here, the peer, its room."""
+    """A decode-node request admitted from a prefill node: ``pages [N]`` int64 its host pages
+    here (block by block), ``peer`` the prefill node's NIXL agent, ``room`` its bootstrap room."""
     pages: torch.Tensor
     peer: str
     room: int
@@ -177,7 +184,11 @@ class DecodeSide:
     Args:
         engine: this rank's ``core.OasisSparseKV`` (``attach_remote`` is called on it).
         pool: the ``OasisKVPool`` (its ``pd_page_ids`` receive the prefill pages).
-        read_timeout_s: ``OasisConfig.pd_read_timeout_s``.
+        read_timeout_s: ``OasisConfig.pd_read_timeout_s`` (seconds per NIXL read).
+        tp_rank: this rank (names the NIXL agent). lease_s: ``OasisConfig.pd_lease_s``
+            (leases are renewed every quarter of it).
+    Raises:
+        ValueError: ``read_timeout_s`` not > 0 (``RemoteBlockFetcher``).
     """
 
     role = "decode"
@@ -227,7 +238,7 @@ class DecodeSide:
             del self.peers[key]
         import requests
 
-        h = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(key[0], key[0])
+        h = connect_host(key[0])
         url = f"http://{'[' + h + ']' if ':' in h else h}:{key[1]}{TIER_ROUTE}?rank=0"
         why = "no answer"
         for i in range(tries):

@@ -11,7 +11,7 @@ import logging
 
 import base64
 
-from .serving import TIER_ROUTE, DecodeSide, PrefillSide, side
+from .serving import TIER_ROUTE, DecodeSide, PrefillSide, connect_host, side
 from .transport import TierLayout
 
 logger = logging.getLogger(__name__)
@@ -66,7 +66,7 @@ def register_to_bootstrap_hook(result, self, *args, **kwargs):
     if getattr(self, "dist_init_addr", None):
         host = NetworkAddress.parse(self.dist_init_addr).resolved().host
     else:
-        host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(self.bootstrap_host, self.bootstrap_host)
+        host = connect_host(self.bootstrap_host)
     url = f"{NetworkAddress(host, self.bootstrap_port).to_url()}{TIER_ROUTE}"
     payload = {"rank": int(getattr(self, "attn_tp_rank", 0) or 0), "layout": s.layout_b64()}
     r = requests.put(url, json=payload, timeout=10)
