@@ -5,15 +5,47 @@ block, so one (KV head, block) piece is ``bs * D`` contiguous elements (4 KiB fo
 D=128, bf16), the unit the device gathers. Block ``p`` holds SGLang token locations
 ``[p * bs, (p + 1) * bs)`` (SGLang's ``--page-size`` equals ``block_size``), so SGLang's own
 allocator, radix cache and free lists govern the host tier. Pinned (``cudaHostRegister``) when
-CUDA is present.
+CUDA is present; otherwise committed on demand (an anonymous ``mmap``): memory is taken when a
+block is first written, and ``discard`` returns freed blocks' memory to the OS (a PD decode
+node holds only the blocks it read from its prefill node, ``disagg/serving.py``).
 """
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 import os
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
+
+OS_PAGE = mmap.PAGESIZE
+_MADV_DONTNEED = 4
+
+
+def _libc():
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    return libc
+
+
+def _on_demand_zeros(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed host tensor whose memory is committed OS page by OS page when first written.
+
+    An anonymous private ``mmap`` (``torch.zeros`` writes every page, so the whole tier would
+    be resident from start-up): a PD decode node's host tier holds only the blocks it read or
+    wrote (``HostTier.resident_bytes``), and ``HostTier.discard`` gives freed blocks' memory
+    back. The tensor keeps the mapping alive (``torch.frombuffer`` holds the buffer).
+    """
+    numel = 1
+    for x in shape:
+        numel *= int(x)
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    if not nbytes:
+        return torch.zeros(shape, dtype=dtype)
+    mm = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(mm, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
 
 
 def _pinned_zeros(shape: tuple, dtype: torch.dtype, device_index: int | None = None) -> torch.Tensor:
@@ -78,8 +110,9 @@ class HostTier:
         self.head_num, self.head_dim, self.v_head_dim, self.dtype = head_num, head_dim, v_head_dim, dtype
         shapes = ([(head_num, num_pages, block_size, head_dim)] * num_layers
                   + [(head_num, num_pages, block_size, v_head_dim)] * num_layers)
+        self.on_demand = not pin_memory
         if not pin_memory:
-            bufs = [torch.zeros(s, dtype=dtype) for s in shapes]
+            bufs = [_on_demand_zeros(s, dtype) for s in shapes]
         else:
             dev = torch.cuda.current_device() if pin_device is None else pin_device
             cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -102,6 +135,69 @@ class HostTier:
     def nbytes(self) -> int:
         """Host bytes of all K and V buffers."""
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def _ranges(self, layer_buf: torch.Tensor, pieces: torch.Tensor, piece_bytes: int):
+        """Byte ranges ``(start, end)`` of runs of consecutive pieces of one buffer."""
+        idx = torch.unique(pieces.reshape(-1).cpu().to(torch.int64))
+        if not idx.numel():
+            return []
+        cut = torch.nonzero(idx[1:] != idx[:-1] + 1).reshape(-1) + 1
+        starts = torch.cat([idx[:1], idx[cut]]).tolist()
+        ends = torch.cat([idx[cut - 1], idx[-1:]]).tolist()
+        base = layer_buf.data_ptr()
+        return [(base + a * piece_bytes, base + (b + 1) * piece_bytes) for a, b in zip(starts, ends)]
+
+    def _buffers(self):
+        """``(buffer, piece bytes)`` of every K and V buffer, layer by layer (K then V)."""
+        bs = self.block_size
+        for li in range(self.num_layers):
+            yield li, self.k[li], bs * self.head_dim * self.k[li].element_size()
+            yield li, self.v[li], bs * self.v_head_dim * self.v[li].element_size()
+
+    def discard(self, pages: torch.Tensor) -> int:
+        """Give the memory of blocks ``pages [N]`` (int64 host pages, every layer and KV head)
+        back to the OS: they read as zeros until written again. Only the OS pages wholly inside
+        those blocks' pieces are given back (a piece smaller than an OS page shares it with its
+        neighbour). Nothing on a pinned tier (page-locked memory stays).
+
+        Returns: bytes given back (an upper bound: pages never written count too).
+        Raises:
+            ValueError: a page outside ``0 .. P - 1``.
+        """
+        pages = torch.as_tensor(pages, dtype=torch.int64).reshape(-1).cpu()
+        if not self.on_demand or not pages.numel():
+            return 0
+        if int(pages.min()) < 0 or int(pages.max()) >= self.num_pages:
+            raise ValueError(f"HostTier.discard: pages must be in 0..{self.num_pages - 1}")
+        P = self.num_pages
+        pieces = (torch.arange(self.head_num)[:, None] * P + pages[None, :]).reshape(-1)
+        libc, n = _libc(), 0
+        for _, buf, pb in self._buffers():
+            for a, b in self._ranges(buf, pieces, pb):
+                a, b = -(-a // OS_PAGE) * OS_PAGE, b // OS_PAGE * OS_PAGE
+                if b > a:
+                    if libc.madvise(a, b - a, _MADV_DONTNEED) != 0:
+                        raise OSError(ctypes.get_errno(), "HostTier.discard: madvise failed")
+                    n += b - a
+        return n
+
+    def resident_bytes(self) -> int:
+        """Host memory the tier holds now (``mincore``: OS pages resident, all buffers). A pinned
+        tier is resident whole; an on-demand one only where blocks were written."""
+        if not self.on_demand:
+            return self.nbytes
+        libc, n = _libc(), 0
+        for _, buf, _pb in self._buffers():
+            size = buf.numel() * buf.element_size()
+            if not size:
+                continue
+            a = buf.data_ptr() // OS_PAGE * OS_PAGE
+            npg = -(-(buf.data_ptr() + size - a) // OS_PAGE)
+            vec = (ctypes.c_ubyte * npg)()
+            if libc.mincore(a, npg * OS_PAGE, vec) != 0:
+                raise OSError(ctypes.get_errno(), "HostTier.resident_bytes: mincore failed")
+            n += int((torch.frombuffer(vec, dtype=torch.uint8) & 1).sum()) * OS_PAGE
+        return n
 
     def read_tokens(self, layer: int, loc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Gather tokens by location: returns ``(k [n, H, D], v [n, H, Dv])`` on the CPU."""

@@ -45,3 +45,46 @@ def test_host_tier_pinned_by_threads_is_zeroed_pinned_and_in_order(threads):
     got = ht.v[L - 1][1, P - 1].to("cuda", non_blocking=True)
     torch.cuda.synchronize()
     assert float(got.float().sum()) == 2.0 * bs * Dv
+
+
+def test_unpinned_tier_is_committed_on_demand_and_discard_gives_back_only_whole_blocks(seed):
+    """Off CUDA the tier takes host memory only where blocks were written (a PD decode node holds
+    the blocks it read), and ``discard`` gives freed blocks back without touching other blocks."""
+    from oasis_sglang.core.host_tier import OS_PAGE
+
+    H, D, bs, P, L = 2, 64, 16, 256, 3                       # a (head, block) piece: 4 KiB in fp32
+    ht = HostTier(L, P, bs, H, D, D, torch.float32)
+    piece = bs * D * 4
+    assert piece % OS_PAGE == 0
+    assert ht.on_demand and ht.resident_bytes() == 0 and ht.nbytes == 2 * L * H * P * piece
+    keep = {}
+    for p in (10, 11, 12, 200):                           # every layer and head of 4 blocks
+        for li in range(L):
+            for h in range(H):
+                keep[li, h, p] = (torch.randn(bs, D), torch.randn(bs, D))
+                ht.k[li][h, p], ht.v[li][h, p] = keep[li, h, p]
+    assert ht.resident_bytes() == 4 * 2 * L * H * piece
+    assert ht.discard(torch.tensor([11, 200])) == 2 * 2 * L * H * piece
+    assert ht.resident_bytes() == 2 * 2 * L * H * piece
+    for (li, h, p), (k, v) in keep.items():
+        if p in (11, 200):                                # given back: zeros until written again
+            assert ht.k[li][h, p].abs().sum() == 0 and ht.v[li][h, p].abs().sum() == 0
+        else:                                             # its neighbours keep their data
+            assert torch.equal(ht.k[li][h, p], k) and torch.equal(ht.v[li][h, p], v)
+    ht.k[0][1, 11] = 1.0                                  # writable again
+    assert float(ht.k[0][1, 11].sum()) == bs * D
+    with pytest.raises(ValueError, match="pages must be in 0..255"):
+        ht.discard(torch.tensor([256]))
+
+
+def test_discard_keeps_a_neighbour_sharing_an_os_page(seed):
+    """Pieces smaller than an OS page: a freed block next to a live one is kept (its OS page is
+    shared), so the live block's data survives."""
+    H, D, bs, P = 1, 8, 4, 512                            # 128 B pieces, 32 per OS page
+    ht = HostTier(1, P, bs, H, D, D, torch.float32)
+    ht.k[0][0, :] = torch.randn(P, bs, D)
+    before = ht.k[0].clone()
+    ht.discard(torch.arange(1, 64))                      # block 0 lives: the first OS page stays
+    assert torch.equal(ht.k[0][0, 0], before[0, 0])
+    assert torch.equal(ht.k[0][0, 64:], before[0, 64:])
+    assert ht.k[0][0, 32:64].abs().sum() == 0            # the second OS page was wholly freed
