@@ -20,15 +20,24 @@ Rules (stated, tested in tests/e2e/test_e2e_pd_oasis.py):
 - Prefill pages: after SGLang's transfer the prefill node holds the request's pages under a
   lease instead of freeing them (``PrefillSide.lease``); the decode node renews it while the
   request decodes (``oasis-renew:<room>`` every ``pd_lease_s / 4``) and releases it when the
-  request ends or cannot be admitted (``oasis-release:<room>``, NIXL notifications); a lease
-  neither renewed nor released for ``pd_lease_s`` seconds expires.
+  request ends, is retracted or cannot be admitted (``oasis-release:<room>:<n>``, the room's
+  n-th transfer, or ``oasis-release:<room>``; NIXL notifications); a lease neither renewed nor
+  released for ``pd_lease_s`` seconds expires.
+- The decode node's host tier holds only the blocks it read or decoded (``core/host_tier.py``
+  commits memory on demand off CUDA; a request's blocks are given back when it ends).
+- Retraction on the decode node (its KV slots ran out): the request is recomputed by its prefill
+  node (SGLang's PD rebootstrap, ``sglang_hooks.release_req_hook`` / ``prealloc_add_hook``), not
+  copied to the CPU, and admitted again as that room's next transfer.
 - Finding a prefill node's host tier: its layout (``transport.TierLayout``) is PUT to SGLang's
   bootstrap server (route ``/oasis/tier``, added to ``CommonKVBootstrapServer``) when the
   prefill registers; a decode node GETs it from the request's ``bootstrap_host:port`` the first
   time it sees that prefill node.
 
-Not built here: TP > 1 with PD, speculative decoding with PD, CUDA graphs on the PD decode node
-(the on-demand reads run on the host inside the step).
+Speculative decoding: the draft model keeps SGLang's own KV pool, which SGLang's transfer sends
+whole (``DecodePreallocQueue._init_kv_manager``); it is counted in the admission line.
+
+Not built here: TP > 1 with PD, CUDA graphs on the PD decode node (the on-demand reads run on the
+host inside the step).
 
 Imports SGLang only inside the hook functions (``disagg/`` and ``sglang_glue/`` are the only
 SGLang importers).
@@ -44,6 +53,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..core import host_tier
 from ..core.remote import RemoteBlocks
 from .admission import request_pages
 from .transport import NixlTier, PeerLostError, RemoteBlockFetcher, TierLayout
@@ -82,11 +92,14 @@ def agent_name(role: str, tp_rank: int) -> str:
 @dataclass
 class Lease:
     """A prefill request whose KV pages are held for a decode node: ``release()`` frees them
-    (SGLang's ``release_kv_cache`` of the request), ``deadline`` is ``time.monotonic()`` seconds."""
+    (SGLang's ``release_kv_cache`` of the request), ``deadline`` is ``time.monotonic()`` seconds,
+    ``gen`` counts the transfers of its bootstrap room (a request retracted on its decode node
+    and recomputed here is transferred again under the same room)."""
     release: object
     deadline: float
     rid: str
     tokens: int = 0
+    gen: int = 1
 
 
 class PrefillSide:
@@ -104,6 +117,8 @@ class PrefillSide:
         self.lease_s = float(lease_s)
         self.leases: dict[int, Lease] = {}
         self.released = self.expired = 0
+        # transfers per bootstrap room so far, and when the last one was leased (pruned after 2 leases' time)
+        self._gens: dict[int, tuple[int, float]] = {}
 
     def layout_b64(self) -> str:
         return base64.b64encode(self.tier.layout().to_bytes()).decode()
@@ -113,10 +128,13 @@ class PrefillSide:
         ``lease_s`` passes without a renewal). ``release``: a callable freeing them (called
         once); ``tokens``: the KV slots it holds outside the radix cache (SGLang's idle memory
         check counts them)."""
-        old = self.leases.pop(int(room), None)
-        if old is not None:          # a room reused while its lease is held: free the old pages first
-            self._free(int(room), old)
-        self.leases[int(room)] = Lease(release, time.monotonic() + self.lease_s, rid, int(tokens))
+        room, now = int(room), time.monotonic()
+        old = self.leases.pop(room, None)
+        if old is not None:          # a room transferred again while its lease is held: free the old pages first
+            self._free(room, old)
+        gen = self._gens.get(room, (0, 0.0))[0] + 1
+        self._gens[room] = (gen, now)
+        self.leases[room] = Lease(release, now + self.lease_s, rid, int(tokens), gen)
 
     def _free(self, room: int, lease: Lease) -> None:
         try:
@@ -130,7 +148,11 @@ class PrefillSide:
 
     def poll(self, now: float | None = None) -> int:
         """Free the leases the decode nodes released (NIXL notifications) or that expired.
-        Called from the prefill scheduler's loop. Returns leases freed."""
+        Called from the prefill scheduler's loop. Returns leases freed.
+
+        Messages: ``oasis-release:<room>[:<gen>]`` and ``oasis-renew:<room>``. With ``gen``, only
+        the lease of that transfer of the room is freed: a release sent when a request was
+        retracted on its decode node cannot free the lease of its recompute's transfer."""
         n = 0
         try:
             notifs = self.tier.agent.get_new_notifs()
@@ -141,14 +163,16 @@ class PrefillSide:
         for msgs in notifs.values():
             for m in msgs:
                 kind = RELEASE if m.startswith(RELEASE) else RENEW if m.startswith(RENEW) else None
-                digits = m[len(kind):] if kind else b""
-                if not (digits.isdigit() and len(digits) <= 20):
+                digits, _, g = (m[len(kind):] if kind else b"").partition(b":")
+                if not (digits.isdigit() and len(digits) <= 20) or (g and not (g.isdigit() and len(g) <= 9)):
                     continue                 # not ours, or malformed: ignored
-                room = int(digits)
+                room, gen = int(digits), int(g) if g else None
                 if kind == RENEW:
                     if room in self.leases:
                         self.leases[room].deadline = now + self.lease_s
                     continue
+                if gen is not None and room in self.leases and self.leases[room].gen != gen:
+                    continue                 # the release of an earlier transfer of this room
                 lease = self.leases.pop(room, None)
                 if lease is not None:
                     self._free(room, lease)
@@ -161,6 +185,8 @@ class PrefillSide:
             self._free(room, lease)
             self.expired += 1
             n += 1
+        for room in [r for r, (_, t) in self._gens.items() if r not in self.leases and now - t > 2 * self.lease_s]:
+            del self._gens[room]
         if n:
             logger.info("OasisKV PD: freed %d lease(s); released by decode nodes: %d, expired: %d, held now: %d",
                         n, self.released, self.expired, len(self.leases))
@@ -170,11 +196,13 @@ class PrefillSide:
 @dataclass
 class Admitted:
     """A decode-node request admitted from a prefill node: ``pages [N]`` int64 its host pages
-    here (block by block), ``peer`` the prefill node's NIXL agent, ``room`` its bootstrap room."""
+    here (block by block), ``peer`` the prefill node's NIXL agent, ``room`` its bootstrap room,
+    ``gen`` which transfer of that room (1, or more after retractions: ``PrefillSide.lease``)."""
     pages: torch.Tensor
     peer: str
     room: int
     rid: str
+    gen: int = 1
 
 
 class DecodeSide:
@@ -187,6 +215,9 @@ class DecodeSide:
         read_timeout_s: ``OasisConfig.pd_read_timeout_s`` (seconds per NIXL read).
         tp_rank: this rank (names the NIXL agent). lease_s: ``OasisConfig.pd_lease_s``
             (leases are renewed every quarter of it).
+        free_pages: returns ``[F]`` int64 the pages SGLang's allocator holds free (a freed
+            request's blocks that share an OS page with free neighbours are given back with
+            them); ``None``: only whole OS pages inside the request's own blocks.
     Raises:
         ValueError: ``read_timeout_s`` not > 0 (``RemoteBlockFetcher``).
     """
@@ -195,8 +226,10 @@ class DecodeSide:
 
     RETRY_S = 10.0        # a prefill node whose layout could not be had is asked again after this
 
-    def __init__(self, engine, pool, read_timeout_s: float, tp_rank: int = 0, lease_s: float = 600.0):
+    def __init__(self, engine, pool, read_timeout_s: float, tp_rank: int = 0, lease_s: float = 600.0,
+                 free_pages=None):
         self.engine, self.pool = engine, pool
+        self.free_pages = free_pages
         self.tier = NixlTier(engine.host.k, engine.host.v, agent_name("decode", tp_rank))
         self.fetcher = RemoteBlockFetcher(self.tier, timeout_s=read_timeout_s)
         self.remote = RemoteBlocks(len(engine.sparse_layers), engine.head_num, engine.host.num_pages,
@@ -212,6 +245,12 @@ class DecodeSide:
         self._failed: dict[tuple[str, int], tuple[float, str]] = {}   # (host, port) -> (retry after, why)
         self.renew_s = float(lease_s) / 4
         self._next_renew = 0.0
+        # released requests: their bytes in this host tier, and what a whole allocation holds
+        self.released_requests = self.held_bytes_total = self.whole_bytes_total = 0
+        self.transfers: dict[int, int] = {}    # bootstrap room -> transfers admitted (retracted requests come back)
+        # bytes per page of the draft model's KV cache, which SGLang sends whole (set by the glue; None: not yet read)
+        self.draft_page_bytes: int | None = None
+        self.retracted = 0
 
     # ---- peers ------------------------------------------------------------------------------
     def peer_for(self, host: str, port: int, tries: int = 3) -> str:
@@ -331,21 +370,60 @@ class DecodeSide:
                              f"tier has {self.fetcher.peers[peer].num_pages} pages")
         self.engine.reset_rows([row])
         self.remote.admit(pages, peer, src)
-        self.rows[int(row)] = Admitted(pages, peer, int(room), rid)
+        gen = self.transfers.get(int(room), 0) + 1
+        self.transfers[int(room)] = gen
+        self.rows[int(row)] = Admitted(pages, peer, int(room), rid, gen)
         n = pages.numel()
-        sent, full = n * getattr(self.pool, "pd_page_bytes", 0), n * getattr(self.pool, "pd_full_page_bytes", 0)
+        draft = self.draft_page_bytes or 0
+        sent = n * (getattr(self.pool, "pd_page_bytes", 0) + draft)
+        full = n * (getattr(self.pool, "pd_full_page_bytes", 0) + draft)
         self.admission_bytes += sent
         self.full_transfer_bytes += full
         if sent:
             mib = 2 ** 20
             logger.info("OasisKV PD: admitted request %s from %s: %d prompt tokens, %.2f MiB at admission (dense "
-                        "layers, summaries, page numbers) vs %.2f MiB for a full transfer (%.2fx less); read on "
-                        "demand so far: %.2f MiB in %d NIXL reads", rid, peer, prompt_len, sent / mib, full / mib,
-                        full / sent, self.fetcher.stats.bytes / mib, self.fetcher.stats.transfers)
+                        "layers, summaries, page numbers%s) vs %.2f MiB for a full transfer (%.2fx less); read on "
+                        "demand so far: %.2f MiB in %d NIXL reads", rid, peer, prompt_len, sent / mib,
+                        ", draft model's KV" if draft else "", full / mib, full / sent, self.fetcher.stats.bytes / mib,
+                        self.fetcher.stats.transfers)
 
-    def release(self, row: int) -> None:
+    def held_bytes(self, row: int, pages: torch.Tensor) -> int:
+        """Bytes of request ``row``'s sparse-layer K/V in this node's host tier: the pieces of its
+        prompt blocks read from its prefill node, plus every piece of its other blocks (written
+        here by decode). ``pages [N]``: all its host pages."""
+        adm = self.rows.get(int(row))
+        pages = torch.as_tensor(pages, dtype=torch.int64).reshape(-1).cpu()
+        remote = torch.zeros(0, dtype=torch.int64) if adm is None else adm.pages
+        own = pages[~torch.isin(pages, remote)]
+        pieces = int(self.remote.present[:, :, remote].sum()) + own.numel() * self.remote.L * self.remote.H
+        return pieces * self.engine.block_bytes
+
+    def release(self, row: int, pages: torch.Tensor | None = None) -> None:
         """The request on ``row`` ended: its pages are this node's again, and its prefill node
-        may free its pages (a NIXL notification; a lost peer is not told)."""
+        may free its pages (a NIXL notification; a lost peer is not told).
+
+        Args:
+            pages: ``[N]`` int64 every host page the request held (prompt and decoded blocks);
+                their memory goes back to the OS (``HostTier.discard``, on-demand tiers) and the
+                request's host-tier bytes are logged against a whole allocation. Default: its
+                prompt pages.
+        """
+        adm = self.rows.get(int(row))
+        if pages is not None:
+            pages = torch.as_tensor(pages, dtype=torch.int64).reshape(-1).cpu()
+            held = self.held_bytes(row, pages)
+            self.engine.host.discard(self._with_free_neighbours(pages))
+            if adm is not None:
+                whole = pages.numel() * self.remote.L * self.remote.H * self.engine.block_bytes
+                self.released_requests += 1
+                self.held_bytes_total += held
+                self.whole_bytes_total += whole
+                mib = 2 ** 20
+                less = f"{whole / held:.2f}x less" if held else "none held"
+                logger.info("OasisKV PD: released request %s: its sparse layers' KV in this node's host tier %.2f MiB "
+                            "(blocks read on demand or decoded here) vs %.2f MiB allocated whole (%s); host "
+                            "tier resident %.2f MiB, requests from prefill nodes held: %d", adm.rid, held / mib,
+                            whole / mib, less, self.engine.host.resident_bytes() / mib, len(self.rows) - 1)
         adm = self.rows.pop(int(row), None)
         if adm is None:
             return
@@ -356,10 +434,49 @@ class DecodeSide:
         if adm.peer in self.remote.lost:
             return
         try:
-            self.tier.agent.send_notif(adm.peer, RELEASE + str(adm.room).encode())
+            self.tier.agent.send_notif(adm.peer, RELEASE + f"{adm.room}:{adm.gen}".encode())
         except Exception as e:  # noqa: BLE001 - the lease then expires on the prefill node
             logger.warning("OasisKV PD: could not tell prefill node %s to free request %s's pages (%s); "
                            "its lease will expire", adm.peer, adm.rid, e)
+
+    def _with_free_neighbours(self, pages: torch.Tensor) -> torch.Tensor:
+        """``pages`` and the free pages within an OS page of them (pieces smaller than an OS
+        page share it with the neighbouring blocks; a free block's data is never read before it
+        is written again, so giving its memory back is safe)."""
+        host = self.engine.host
+        k = -(-host_tier.OS_PAGE // max(1, host.block_size * host.head_dim * host.k[0].element_size())) \
+            if host.k else 1
+        if k <= 1 or self.free_pages is None or not pages.numel():
+            return pages
+        try:
+            free = torch.as_tensor(self.free_pages()).reshape(-1).to("cpu", torch.int64)
+        except Exception as e:  # noqa: BLE001 - only memory is at stake: give back the request's own blocks
+            logger.warning("OasisKV PD: reading the free pages failed (%s); giving back the request's own only", e)
+            return pages
+        near = (pages[:, None] + torch.arange(-(k - 1), k)[None, :]).reshape(-1)
+        near = near[(near >= 0) & (near < host.num_pages)]
+        return torch.unique(torch.cat([pages, near[torch.isin(near, free)]]))
+
+    def request_freed(self, row: int, pages: torch.Tensor | None, bootstrap: tuple | None, rid: str = "",
+                      retracted: bool = False) -> None:
+        """SGLang freed the request on ``row`` (``DecodeReqToTokenPool.free``): release it
+        (:meth:`release`). One that was never admitted here (aborted or failed while in SGLang's
+        transfer queue) may still hold a lease on its prefill node: that node is told to free it
+        now (:meth:`refuse`) instead of at expiry.
+
+        Args:
+            pages: ``[N]`` int64 every host page it held, or ``None``. bootstrap: ``(host, port,
+                room)`` of a request from a prefill node; ``None`` for SGLang's warm-up.
+            retracted: retracted, to be recomputed by its prefill node and transferred again
+                under the same room (SGLang's PD rebootstrap): this transfer's lease is released
+                (its generation named) and the room's count of transfers is kept.
+        """
+        adm = self.rows.get(int(row))
+        self.release(row, pages)
+        if adm is not None and not retracted:
+            self.transfers.pop(adm.room, None)
+        if adm is None and bootstrap is not None:
+            self.refuse(bootstrap[0], bootstrap[1], bootstrap[2], rid)
 
     def lost_rows(self) -> dict[int, str]:
         """Rows admitted from a lost peer -> why it was lost."""

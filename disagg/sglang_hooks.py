@@ -158,11 +158,13 @@ def pop_transferred_hook(result, self, *args, **kwargs):
     from sglang.srt.disaggregation.utils import FAKE_BOOTSTRAP_HOST
 
     rtt = self.scheduler.req_to_token_pool.req_to_token
+    if s.draft_page_bytes is None:
+        s.draft_page_bytes = _draft_page_bytes(self.scheduler)
     for req in result:
         if req.bootstrap_host == FAKE_BOOTSTRAP_HOST:     # SGLang's warm-up: no prefill node, no KV sent
             continue
         try:
-            s.admit(req.req_pool_idx, rtt[req.req_pool_idx], len(req.origin_input_ids), req.bootstrap_host,
+            s.admit(req.req_pool_idx, rtt[req.req_pool_idx], _transferred_len(req), req.bootstrap_host,
                     req.bootstrap_port, req.bootstrap_room, req.rid)
         except Exception as e:  # noqa: BLE001 - one request's admission must not stop the decode loop
             logger.error("OasisKV PD: request %s cannot be admitted: %s", req.rid, e)
@@ -171,9 +173,73 @@ def pop_transferred_hook(result, self, *args, **kwargs):
     return result
 
 
+def _draft_page_bytes(scheduler) -> int:
+    """Bytes per page of the draft model's KV cache, which SGLang's transfer sends whole
+    (``DecodePreallocQueue._init_kv_manager`` adds the draft pool's regions); 0 without a draft."""
+    q = getattr(scheduler, "disagg_decode_prealloc_queue", None)
+    pool = getattr(q, "draft_token_to_kv_pool", None)
+    if pool is None:
+        return 0
+    try:
+        return int(sum(pool.get_contiguous_buf_infos()[2]))
+    except Exception as e:  # noqa: BLE001 - only a log figure depends on it
+        logger.warning("OasisKV PD: the draft model's KV bytes per page could not be read (%s); not counted", e)
+        return 0
+
+
+def _transferred_len(req) -> int:
+    """Tokens whose KV the prefill node sent: the prompt, or after a retraction the prompt and
+    the output before the replayed boundary token (``DecodePreallocQueue._rebootstrap_prefill_len``;
+    SGLang's commit has appended that token again by now)."""
+    if getattr(req, "pd_rebootstrap_in_progress", False):
+        return len(req.origin_input_ids) + len(req.output_ids) - 1
+    return len(req.origin_input_ids)
+
+
+def release_req_hook(original, *args, **kwargs):
+    """AROUND ``managers.schedule_batch.release_req`` (a decode request retracted: SGLang's
+    ``retract_decode`` or the retract pause). On an OasisKV PD decode node its KV is not copied
+    to the CPU (``offload_kv=False``: the sparse layers' placeholders cannot be copied, and their
+    blocks are on the prefill node anyway); the request is recomputed by its prefill node through
+    SGLang's PD rebootstrap (:func:`prealloc_add_hook`). Its pages are freed here
+    (:func:`decode_req_free_hook`, with ``req.is_retracted`` not yet set: SGLang sets it after)."""
+    s = side()
+    if isinstance(s, DecodeSide):
+        kwargs["offload_kv"] = False
+        req = kwargs.get("req")
+        if req is not None and not req.finished() and req.to_finish is None:
+            req._oasis_retracting = True
+            try:
+                return original(*args, **kwargs)
+            finally:
+                req._oasis_retracting = False
+    return original(*args, **kwargs)
+
+
+def prealloc_add_hook(original, self, req, is_retracted=False, is_rebootstrap=False, *args, **kwargs):
+    """AROUND ``DecodePreallocQueue.add``: on an OasisKV PD decode node a retracted request is
+    recomputed by its prefill node (SGLang's PD rebootstrap, as its retract pause does:
+    the last output token is replayed) instead of waiting in the retracted queue for a CPU copy
+    of its KV that was not made (:func:`release_req_hook`)."""
+    from sglang.srt.disaggregation.utils import FAKE_BOOTSTRAP_HOST
+
+    s = side()
+    if isinstance(s, DecodeSide) and is_retracted and req.bootstrap_host not in (None, FAKE_BOOTSTRAP_HOST):
+        if req.output_ids:
+            req.pd_rebootstrap_forced_output_id = req.output_ids.pop()
+        req.pd_rebootstrap_in_progress = True
+        s.retracted += 1
+        logger.info("OasisKV PD: request %s retracted (decode KV slots ran out); its prefill node recomputes its %d "
+                    "tokens (SGLang's PD rebootstrap); retracted so far: %d", req.rid,
+                    len(req.origin_input_ids) + len(req.output_ids), s.retracted)
+        return original(self, req, *args, is_retracted=False, is_rebootstrap=True, **kwargs)
+    return original(self, req, *args, is_retracted=is_retracted, is_rebootstrap=is_rebootstrap, **kwargs)
+
+
 def decode_req_free_hook(self, req, *args, **kwargs):
     """BEFORE ``DecodeReqToTokenPool.free``: free the request's working set and its remote
-    pages, and tell its prefill node (``DecodeSide.release``)."""
+    pages, and tell its prefill node (``DecodeSide.request_freed``), also for a request that
+    ended before its admission (aborted or failed in SGLang's transfer queue)."""
     from oasis_sglang.sglang_glue.runtime import runtime_of
 
     rt = runtime_of(self)
@@ -181,8 +247,28 @@ def decode_req_free_hook(self, req, *args, **kwargs):
         rt.engine.reset_rows([req.req_pool_idx])
         s = side()
         if isinstance(s, DecodeSide):
-            s.release(req.req_pool_idx)
+            from sglang.srt.disaggregation.utils import FAKE_BOOTSTRAP_HOST
+
+            pd = req.bootstrap_host not in (None, FAKE_BOOTSTRAP_HOST) and req.bootstrap_room is not None
+            s.request_freed(req.req_pool_idx, _request_pages(self, req, rt.engine.bs),
+                            (req.bootstrap_host, req.bootstrap_port, req.bootstrap_room) if pd else None, req.rid,
+                            retracted=bool(getattr(req, "_oasis_retracting", False)))
     return None
+
+
+def _request_pages(req_to_token_pool, req, block_size: int):
+    """``[N]`` int64 host pages of every token slot the request held (prompt and output: SGLang's
+    ``kv_allocated_len``, whose slots ``mem_cache/common.py release_kv_cache`` has just freed;
+    nothing is allocated before this hook runs)."""
+    from .admission import request_pages
+
+    row = req_to_token_pool.req_to_token[req.req_pool_idx]
+    kv = getattr(req, "kv", None)
+    n = int(kv.kv_allocated_len) if kv is not None else int(getattr(req, "kv_committed_len", 0) or 0)
+    n = min(n, row.numel())
+    if n <= 0:
+        return None
+    return request_pages(row, n, block_size)
 
 
 def decode_req_clear_hook(result, self, *args, **kwargs):

@@ -96,7 +96,8 @@ def init_attention_backends_hook(result, model_runner, *args, **kwargs):
         from oasis_sglang.disagg import serving
 
         serving.set_side(serving.PrefillSide(engine, cfg.pd_lease_s, tp_rank) if pd == "prefill" else
-                         serving.DecodeSide(engine, pool, cfg.pd_read_timeout_s, tp_rank, cfg.pd_lease_s))
+                         serving.DecodeSide(engine, pool, cfg.pd_read_timeout_s, tp_rank, cfg.pd_lease_s,
+                                            free_pages=lambda: _free_pages(model_runner)))
         runtime.pd_decode = pd == "decode"
     log = DecodeLog(engine, getattr(sa, "decode_log_interval", 40) or 40, make_metrics(sa) if first else None,
                     draft_match, emit=first)
@@ -166,6 +167,16 @@ def check_kv_scales(model, kv_cache_dtype: str) -> None:
                 f"--kv-cache-dtype {kv_cache_dtype}: layer {name} has KV scales k_scale={kf}, v_scale={vf} from the "
                 "checkpoint; --kv-sparse oasis serves fp8 KV caches without scales only (use a checkpoint without "
                 "kv_scale entries, or --kv-cache-dtype auto)")
+
+
+def _free_pages(model_runner):
+    """``[F]`` int64 pages SGLang's token allocator holds free (``free_pages`` and the PD decode
+    node's ``release_pages``, ``mem_cache/allocator/paged.py``)."""
+    import torch
+
+    a = model_runner.token_to_kv_pool_allocator
+    parts = [t for t in (getattr(a, "free_pages", None), getattr(a, "release_pages", None)) if t is not None]
+    return torch.cat([t.reshape(-1).to("cpu", torch.int64) for t in parts]) if parts else torch.empty(0, dtype=torch.int64)
 
 
 def check_memory(cfg: OasisConfig, plan: dict, device, host_ranks: int = 1) -> None:

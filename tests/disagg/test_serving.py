@@ -32,17 +32,22 @@ def sglang_transfer(pf, dc, dc_pool, src_pages, dst_pages):
         t[dst_pages] = src_pages
 
 
-@pytest.fixture
-def sides():
-    pf, dc = engine(budget=256), engine(budget=256)       # the budget covers the context
+def make_sides(budget):
+    pf, dc = engine(budget=budget), engine(budget=budget)
     ps = PrefillSide(pf, lease_s=600)
     dpool = pool_of(dc)
     ds = DecodeSide(dc, dpool, read_timeout_s=5)
     peer = ds.fetcher.add_peer(ps.tier.layout())
     ds.peers[("prefill-host", 1)] = peer                 # as peer_for would after its bootstrap GET
-    yield pf, dc, ps, ds, dpool
-    ds.tier.close()
-    ps.tier.close()
+    return pf, dc, ps, ds, dpool
+
+
+@pytest.fixture
+def sides():
+    s = make_sides(256)                                  # the budget covers the context
+    yield s
+    s[3].tier.close()
+    s[2].tier.close()
 
 
 def test_admit_decode_release(sides):
@@ -70,13 +75,59 @@ def test_admit_decode_release(sides):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"step {t - prompt}")
     assert ds.remote.bytes_read > 0 and not ds.remote.lost
     assert dc.stats.sync_steps >= 1
-    ds.release(2)
+    assert ds.rows[2].gen == 1 and ds.transfers == {77: 1}
+    ds.request_freed(2, None, ("prefill-host", 1, 77), "req-77")     # the request ended: its room is forgotten
+    assert not ds.transfers
     assert bool(ds.remote.present.all()) and bool((dpool.pd_page_ids[0][dst] == -1).all())
     for _ in range(200):                                  # the notification crosses UCX loopback
         if ps.poll():
             break
         time.sleep(0.05)
     assert released == [77] and not ps.leases and ps.released == 1
+
+
+def test_decode_node_holds_only_the_blocks_it_read_or_decoded(seed):
+    """Budget 24 tokens of a 200-token prompt: the decode node reads only the blocks its steps
+    select (outputs equal to the prefill node decoding the request itself), holds far less of
+    the request than a whole allocation, and gives that memory back at the release."""
+    pf, dc, ps, ds, dpool = make_sides(24)
+    try:
+        prompt, steps = 200, 10
+        n = prompt + steps
+        K, V, Q = torch.randn(LAYERS, n, H, D), torch.randn(LAYERS, n, H, D), torch.randn(LAYERS, n, HQ, D)
+        rt_p = torch.zeros(ROWS, 256, dtype=torch.int32)
+        rt_d = torch.zeros(ROWS, 256, dtype=torch.int32)
+        rt_p[1, :n], rt_d[2, :n] = locs(n), locs(n)
+        prefill(pf, 1, rt_p, K, V, Q, prompt)
+        npg = -(-prompt // BS)
+        src = torch.div(rt_p[1, :npg * BS:BS].long(), BS, rounding_mode="floor")
+        dst = torch.div(rt_d[2, :npg * BS:BS].long(), BS, rounding_mode="floor")
+        sglang_transfer(pf, dc, dpool, src, dst)
+        ds.admit(2, rt_d[2], prompt, "prefill-host", 1, 3, "req-3")
+        assert dc.host.resident_bytes() == 0                   # nothing of the sparse layers' K/V is here
+        pf.reset_rows([1])          # the prefill node decoding it itself from an empty row (synchronous first step)
+        for t in range(prompt, n):
+            torch.testing.assert_close(decode(dc, 2, rt_d, K, V, Q, t), decode(pf, 1, rt_p, K, V, Q, t),
+                                       rtol=1e-5, atol=1e-5, msg=f"step {t - prompt}")
+        pages = torch.div(rt_d[2, :n:BS].long(), BS, rounding_mode="floor")
+        L = len(dc.sparse_layers)
+        whole = pages.numel() * L * H * dc.block_bytes
+        held = ds.held_bytes(2, pages)
+        read = int(ds.remote.present[:, :, dst].sum())           # prompt pieces read on demand
+        assert held == (read + (pages.numel() - npg) * L * H) * dc.block_bytes
+        assert 0 < read * dc.block_bytes == ds.remote.bytes_read
+        assert held * 2 < whole, (held, whole)                   # budget 6 blocks of 53, cap 2 a step
+        assert dc.host.resident_bytes() > 0         # OS pages: 16 of these 256 B pieces share one
+        # SGLang's allocator: every page free once this request ended (it was the only one), so the
+        # OS pages its blocks share with other (free) blocks go back too
+        ds.free_pages = lambda: torch.arange(dc.host.num_pages)
+        ds.release(2, pages)
+        assert dc.host.resident_bytes() == 0
+        assert (ds.released_requests, ds.held_bytes_total, ds.whole_bytes_total) == (1, held, whole)
+        assert not ds.rows and bool(ds.remote.present.all())
+    finally:
+        ds.tier.close()
+        ps.tier.close()
 
 
 def test_admit_refuses_a_transfer_without_page_numbers(sides):
@@ -157,6 +208,33 @@ def test_renewals_keep_a_lease_and_bad_messages_and_releases_do_not_stop_the_loo
     ds.rows.clear()
 
 
+def test_a_release_names_its_transfer_of_the_room(sides):
+    """A request retracted on its decode node is recomputed and transferred again under the same
+    bootstrap room: the release sent at the retraction (generation 1) must not free the second
+    transfer's lease, whatever order the messages arrive in."""
+    pf, dc, ps, ds, dpool = sides
+    freed = []
+    ps.lease(7, lambda: freed.append("first"), "r")
+    ps.lease(7, lambda: freed.append("second"), "r")      # transferred again before the release arrived
+    assert freed == ["first"] and ps.leases[7].gen == 2
+    peer = ds.peers[("prefill-host", 1)]
+    ds.tier.agent.send_notif(peer, b"oasis-release:7:1")     # late: its lease is gone
+    for _ in range(20):
+        ps.poll()
+        time.sleep(0.05)
+    assert 7 in ps.leases and freed == ["first"]
+    ds.tier.agent.send_notif(peer, b"oasis-release:7:2")
+    _deliver(ps)
+    assert freed == ["first", "second"] and not ps.leases
+    for m in (b"oasis-release:7:", b"oasis-release:7:x", b"oasis-release:7:1234567890"):   # malformed: ignored
+        ds.tier.agent.send_notif(peer, m)
+    ps.lease(8, lambda: freed.append("third"), "s")
+    for _ in range(20):
+        ps.poll()
+        time.sleep(0.05)
+    assert 8 in ps.leases
+
+
 def test_refused_admission_releases_the_lease(sides):
     pf, dc, ps, ds, dpool = sides
     freed = []
@@ -165,6 +243,19 @@ def test_refused_admission_releases_the_lease(sides):
     _deliver(ps)
     assert freed == [11] and not ps.leases
     ds.refuse("unknown-host", 9, 12)                      # unknown prefill node: nothing to tell, nothing raised
+
+
+def test_a_request_freed_before_its_admission_releases_its_lease(sides):
+    """Aborted in SGLang's decode transfer queue (after its KV arrived, before admission): its
+    prefill node frees the pages now; an admitted one is released once; the warm-up tells nobody."""
+    pf, dc, ps, ds, dpool = sides
+    freed = []
+    ps.lease(21, lambda: freed.append(21), "aborted")
+    ds.request_freed(3, torch.tensor([5, 6]), ("prefill-host", 1, 21), "aborted")
+    _deliver(ps)
+    assert freed == [21] and not ps.leases
+    ds.request_freed(3, torch.tensor([5, 6]), None, "warm-up")     # no prefill node: nothing sent, nothing raised
+    assert not ds.rows
 
 
 def test_an_unreachable_prefill_node_fails_fast_and_is_remembered(sides):
