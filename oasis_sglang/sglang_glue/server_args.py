@@ -214,8 +214,8 @@ def _pd_args(args, mode: str, spec: bool, bad) -> None:
     """``--disaggregation-mode prefill|decode`` with ``--kv-sparse oasis`` (``disagg/serving.py``).
 
     Raises:
-        OasisConfigError: a transfer backend other than NIXL, speculative decoding or TP > 1
-            with PD (not built), or ``nixl`` not installed.
+        OasisConfigError: a transfer backend other than NIXL, a speculative algorithm other
+            than EAGLE3 or TP > 1 with PD (not built), or ``nixl`` not installed.
     """
     if mode not in ("prefill", "decode"):
         bad("--disaggregation-mode", f"{mode!r}: want prefill or decode")
@@ -226,9 +226,10 @@ def _pd_args(args, mode: str, spec: bool, bad) -> None:
     if getattr(args, "disaggregation_decode_enable_radix_cache", False):
         bad("--disaggregation-decode-enable-radix-cache", "cannot be combined: a prefix hit on the decode node "
             "would skip the transfer of the page numbers its blocks are read by")
-    if spec:
-        bad("--speculative-algorithm", "cannot be combined with --disaggregation-mode yet (the draft model's KV "
-            "is not sent to the decode node)")
+    algo = str(getattr(args, "speculative_algorithm", None) or "").upper()
+    if spec and algo != "EAGLE3":
+        bad("--speculative-algorithm", f"{algo} cannot be combined with --disaggregation-mode: only EAGLE3 is "
+            "built and tested with PD (its draft model's KV is sent whole by SGLang's transfer)")
     if (getattr(args, "tp_size", 1) or 1) > 1:
         bad("--tp-size", "must be 1 with --disaggregation-mode for now (a decode rank would read its KV heads "
             "from the prefill ranks holding them: not built)")

@@ -71,7 +71,7 @@ def test_oasis_sets_dependent_defaults(model, monkeypatch):
     (dict(disaggregation_mode="prefill", disaggregation_transfer_backend="nixl", tp_size=3),
      "--tp-size must be 1 with --disaggregation-mode"),
     (dict(disaggregation_mode="decode", disaggregation_transfer_backend="nixl", speculative_algorithm="NGRAM"),
-     "--speculative-algorithm cannot be combined with --disaggregation-mode"),
+     "--speculative-algorithm NGRAM cannot be combined with --disaggregation-mode: only EAGLE3"),
     (dict(disaggregation_mode="decode", disaggregation_transfer_backend="nixl",
           disaggregation_decode_enable_radix_cache=True), "--disaggregation-decode-enable-radix-cache"),
     (dict(kv_sparse_config='{"pd_lease_s": 0}'), "pd_lease_s"),
