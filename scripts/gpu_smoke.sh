@@ -15,6 +15,8 @@
 #            (scripts/bench_oasis.py on the Qwen3-8B-shaped dummy -> $OUT/bench_oasis/: JSON, tables, plots, logs.tgz;
 #             the issue-5 suite takes several calls: copy the returned bench_oasis/ to out/bench_oasis,
 #             carry out/bench_oasis too and pass --resume; --deadline 540 keeps a call inside 600 s)
+#   stage 5: carry .gpuhost/kit .gpuhost/model .gpuhost/nixl (after stages 1-2) -> bash scripts/gpu_smoke.sh 5 [pd_gpu args]
+#            (scripts/pd_gpu.py: PD prefill + decode servers with --kv-sparse oasis on the one GPU -> $OUT/pd_gpu/)
 # Stage 3 installs this package into /tmp/site, applies the patches there, prepares SmolLM2 and
 # runs the end-to-end tests (dense and oasis both on torch_native, so (a) is an exact comparison).
 set -euo pipefail
@@ -82,5 +84,17 @@ case $stage in
         || echo "gpu_smoke: could not archive the logs (tar exit $?); the results are in $OUT/bench_oasis"
     fi
     exit $rc
+    ;;
+  5)
+    # PD: prefill + decode with --kv-sparse oasis on the one GPU, NIXL over loopback (scripts/pd_gpu.py);
+    # after stages 1-2 (or 4) on a warm host; carry .gpuhost/kit .gpuhost/model .gpuhost/nixl
+    # (nixl-1.5.1 + nixl_cu13-1.5.1 cp312 wheels: pip download --python-version 3.12 --only-binary=:all:)
+    bash .gpuhost/kit/install.sh .gpuhost/whl1 .gpuhost/whl2 --model .gpuhost/model || { echo "host was restarted: start over"; exit 5; }
+    source .gpuhost/kit/env.sh
+    python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/site .gpuhost/nixl/*.whl 2>&1 | grep -v WARNING || true
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation --upgrade --target /tmp/site . 2>&1 | grep -v WARNING || true
+    rm -rf build
+    python3 -m oasis_sglang.cli patch apply --sglang-root /tmp/site
+    python3 scripts/pd_gpu.py --model "$M" --out ${OUT:-/tmp}/pd_gpu "$@"
     ;;
 esac

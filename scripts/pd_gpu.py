@@ -1,0 +1,122 @@
+"""PD admission traffic on one GPU: a prefill and a decode server with ``--kv-sparse oasis`` side by
+side on the same GPU, NIXL over loopback (issue 19's optional H200 run).
+
+    python scripts/pd_gpu.py --model $M --input-len 16384 --requests 2 --out out/pd_gpu
+
+Both servers serve the Qwen3-8B-shaped dummy (``--load-format dummy``, random weights: speed and
+bytes only) with SGLang's PD mode (``--disaggregation-transfer-backend nixl``). The requests go
+to both servers at once with one bootstrap room each, as sglang-router sends them (the router is
+not needed to measure what crosses). Reported from the decode node's ``OasisKV PD`` lines: MiB at
+admission against a full transfer, MiB read on demand, the request's sparse-layer KV held in the
+decode node's host tier against a whole allocation; and the wall time of each request.
+Writes ``<out>/pd_gpu.json``, ``<out>/pd_gpu.md`` and both servers' logs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import json
+import random
+import re
+import sys
+import time
+from pathlib import Path
+
+ADMITTED = re.compile(r"OasisKV PD: admitted request (\S+) from \S+: (\d+) prompt tokens, ([\d.]+) MiB at admission "
+                      r".* vs ([\d.]+) MiB for a full transfer \(([\d.]+)x less\)")
+RELEASED = re.compile(r"OasisKV PD: released request (\S+): its sparse layers' KV in this node's host tier ([\d.]+) MiB "
+                      r".* vs ([\d.]+) MiB allocated whole \((?:([\d.]+)x less|none held)\); host tier resident "
+                      r"([\d.]+) MiB")
+READ = re.compile(r"read on demand so far: ([\d.]+) MiB in (\d+) NIXL reads")
+
+
+def server_args(a, mode: str, bootstrap: int) -> list[str]:
+    cfg = {"budget_tokens": a.budget, "kernels": "triton", "predictor": "previous"}
+    args = ["--load-format", "dummy", "--attention-backend", "triton", "--sampling-backend", "pytorch",
+            "--mem-fraction-static", str(a.mem_fraction), "--max-running-requests", str(a.requests),
+            "--max-total-tokens", str(a.requests * (a.input_len + a.output_len + 64) + 4096),
+            "--context-length", str(a.input_len + a.output_len + 64), "--log-level", "info",
+            "--disable-cuda-graph", "--kv-sparse", "oasis", "--kv-sparse-config", json.dumps(cfg),
+            "--disaggregation-mode", mode, "--disaggregation-transfer-backend", "nixl"]
+    if mode == "prefill":
+        args += ["--disaggregation-bootstrap-port", str(bootstrap)]
+    return args
+
+
+def pd_generate(prefill_url: str, decode_url: str, bootstrap: int, ids: list[int], n_new: int, room: int) -> dict:
+    """One request sent to both nodes with the same bootstrap room (sglang-router's PD routing)."""
+    import requests
+
+    body = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": n_new, "ignore_eos": True},
+            "bootstrap_host": "127.0.0.1", "bootstrap_port": bootstrap, "bootstrap_room": room}
+    t0 = time.time()
+    with cf.ThreadPoolExecutor(2) as ex:
+        fp = ex.submit(requests.post, prefill_url + "/generate", json=body, timeout=1800)
+        fd = ex.submit(requests.post, decode_url + "/generate", json=body, timeout=1800)
+        rp, rd = fp.result(), fd.result()
+    return {"prefill_status": rp.status_code, "decode_status": rd.status_code, "wall_s": time.time() - t0,
+            "output_tokens": len(rd.json().get("output_ids", [])) if rd.status_code == 200 else 0,
+            "error": None if rd.status_code == 200 else rd.text[:500]}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--input-len", type=int, default=16384)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--requests", type=int, default=2)
+    ap.add_argument("--budget", type=int, default=2048)
+    ap.add_argument("--mem-fraction", type=float, default=0.4, help="--mem-fraction-static of each server")
+    ap.add_argument("--out", default="out/pd_gpu")
+    a = ap.parse_args(argv)
+    for name in ("input_len", "output_len", "requests", "budget"):
+        if getattr(a, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    if not 0 < a.mem_fraction <= 0.45:
+        ap.error("--mem-fraction must be in (0, 0.45]: two servers share the GPU")
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    from oasis_sglang.testing.launch import free_port, launch
+
+    bootstrap = free_port()
+    servers = {}
+    try:
+        servers["prefill"] = launch(a.model, 0, server_args(a, "prefill", bootstrap), out / "prefill.log", timeout=900, echo=False)
+        servers["decode"] = launch(a.model, 0, server_args(a, "decode", bootstrap), out / "decode.log", timeout=900, echo=False)
+        rng = random.Random(0)
+        prompts = [[rng.randrange(100, 30000) for _ in range(a.input_len)] for _ in range(a.requests)]
+        t0 = time.time()
+        with cf.ThreadPoolExecutor(a.requests) as ex:
+            results = list(ex.map(lambda i: pd_generate(servers["prefill"].url, servers["decode"].url, bootstrap,
+                                                        prompts[i], a.output_len, 1000 + i), range(a.requests)))
+        wall = time.time() - t0
+        time.sleep(2)
+        dlog = servers["decode"].log()
+    finally:
+        for s in servers.values():
+            s.stop()
+    adm = [dict(zip(("rid", "prompt_tokens", "admission_mib", "full_mib", "less"), m)) for m in ADMITTED.findall(dlog)]
+    rel = [dict(zip(("rid", "held_mib", "whole_mib", "less", "resident_mib"), m)) for m in RELEASED.findall(dlog)]
+    reads = READ.findall(dlog)
+    adm = [x for x in adm if int(x["prompt_tokens"]) >= a.input_len]
+    rel = [x for x in rel if float(x["whole_mib"]) > 0 and x["rid"] in {y["rid"] for y in adm}]
+    res = {"args": vars(a), "requests": results, "wall_s": wall, "admitted": adm, "released": rel,
+           "read_on_demand_last": reads[-1] if reads else None}
+    (out / "pd_gpu.json").write_text(json.dumps(res, indent=1))
+    lines = ["| request | prompt tokens | MiB at admission | MiB full transfer | less | host-tier MiB held | "
+             "MiB allocated whole | less |", "|---|---|---|---|---|---|---|---|"]
+    relby = {x["rid"]: x for x in rel}
+    for x in adm:
+        r = relby.get(x["rid"], {})
+        lines.append(f"| {x['rid'][:8]} | {x['prompt_tokens']} | {x['admission_mib']} | {x['full_mib']} | {x['less']}x | "
+                     f"{r.get('held_mib', '-')} | {r.get('whole_mib', '-')} | {r.get('less', '-')}x |")
+    lines.append(f"\nrequests: {results}; wall {wall:.1f} s; read on demand (cumulative, last line): {res['read_on_demand_last']}")
+    (out / "pd_gpu.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    ok = adm and all(r["decode_status"] == 200 for r in results)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
