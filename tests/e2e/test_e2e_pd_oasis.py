@@ -9,15 +9,21 @@ reads the sparse layers' blocks from the prefill node's host tier on demand
 One deployment (budget 512, block 8) for all four:
 
 - greedy output through the router equals one dense server when the budget covers the context
-  (prompts up to 464 tokens + 24 new); the admission lines report what crossed;
+  (prompts up to 464 tokens + 24 new, decoded together while SGLang's retraction test mode
+  retracts one of them every few steps: its prefill node recomputes it); the admission lines
+  report what crossed;
 - more requests than the prefill node has request rows: its pages are leased and freed when the
   decode node releases them (else the later requests would wait for the lease to expire);
 - a needle at budget 512 through the router (6000 tokens), >= 4x less at admission;
 - the prefill process killed mid-decode: the request ends with an error, the decode node's
   /health stays 200 and it serves a request from a new prefill node.
+
+Then a second deployment with EAGLE-3 on both nodes (the draft model's KV crosses whole): greedy
+output equals the dense server's.
 """
 
 import concurrent.futures as cf
+import os
 import re
 import time
 
@@ -35,6 +41,10 @@ from test_e2e_pd import PD, start_router  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 CFG = {**NEEDLE_CFG, "pd_read_timeout_s": 5.0}
+RETRACT_EVERY = 16
+RELEASED = re.compile(r"OasisKV PD: released request \S+: its sparse layers' KV in this node's host tier ([\d.]+) MiB "
+                      r".* vs ([\d.]+) MiB allocated whole \((?:([\d.]+)x less|none held)\); host tier resident "
+                      r"([\d.]+) MiB, requests from prefill nodes held: (\d+)")
 ADMITTED = re.compile(r"OasisKV PD: admitted request \S+ from \S+: (\d+) prompt tokens, ([\d.]+) MiB at admission "
                       r".* vs ([\d.]+) MiB for a full transfer \(([\d.]+)x less\)")
 
@@ -42,27 +52,42 @@ ADMITTED = re.compile(r"OasisKV PD: admitted request \S+ from \S+: (\d+) prompt 
 class Deployment:
     """A prefill node and a decode node with ``--kv-sparse oasis`` and the router in front."""
 
-    def __init__(self, model, cfg, name, prefill_rows=2):
-        self.model, self.cfg, self.name = model, cfg, name
+    def __init__(self, model, cfg, name, prefill_rows=2, spec=(), retract=True):
+        self.model, self.cfg, self.name, self.spec = model, cfg, name, list(spec)
         self.bootstrap = free_port()
         self.prefill_rows = prefill_rows
         self.pf = self.dc = self.router = None
         self.pf = self.start_prefill()
-        self.dc = launch(model, 0, base_args() + oasis_args(**cfg) + PD + ["--disaggregation-mode", "decode"],
-                         OUT / f"{name}_decode.log")
+        # SGLang's retraction test mode: every RETRACT_EVERY forward passes with two or more
+        # requests running, one is retracted (as when decode KV slots run out)
+        if retract:
+            os.environ.update(SGLANG_TEST_RETRACT="1", SGLANG_TEST_RETRACT_INTERVAL=str(RETRACT_EVERY))
+        try:
+            self.dc = launch(model, 0, self.args() + ["--disaggregation-mode", "decode"], OUT / f"{name}_decode.log")
+        finally:
+            for k in ("SGLANG_TEST_RETRACT", "SGLANG_TEST_RETRACT_INTERVAL"):
+                os.environ.pop(k, None)
         self.url, self.router = start_router(self.pf.url, self.bootstrap, self.dc.url)
 
+    def args(self, **base):
+        a = base_args(**base)
+        if self.spec:               # SGLang's speculative workers on CPU run on intel_amx, not torch_native
+            a = [("intel_amx" if x == "torch_native" else x) for x in a]
+        return a + self.spec + oasis_args(**self.cfg) + PD
+
     def start_prefill(self, port=0, suffix=""):
-        return launch(self.model, port, base_args(max_running_requests=self.prefill_rows) + oasis_args(**self.cfg)
-                      + PD + ["--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(self.bootstrap)],
+        return launch(self.model, port, self.args(max_running_requests=self.prefill_rows)
+                      + ["--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(self.bootstrap)],
                       OUT / f"{self.name}_prefill{suffix}.log")
 
     def stop(self):
         if self.router is not None:
             self.router.kill()
-        for s in (self.dc, self.pf):
-            if s is not None:
-                s.stop()
+            self.router = None
+        for name in ("dc", "pf"):
+            if getattr(self, name) is not None:
+                getattr(self, name).stop()
+                setattr(self, name, None)
 
 
 @pytest.fixture(scope="module")
@@ -78,14 +103,23 @@ def short_prompts(tok):
     return [_exact_prompts(tok)[0], ids[:301], ids[:464]]
 
 
+_DENSE = {}      # the dense server's greedy ids of short_prompts, for the speculative deployment too
+
+
+def dense_reference(model, prompts, n_new):
+    if not _DENSE:
+        srv = launch(model, 0, base_args(), OUT / "pd_oasis_ref_dense.log")
+        try:
+            _DENSE["ids"] = [generate_ids(srv.url, p, n_new) for p in prompts]
+        finally:
+            srv.stop()
+    return _DENSE["ids"]
+
+
 def test_greedy_through_router_equals_dense(model, tok, pd):
     prompts = short_prompts(tok)
     n_new = 24
-    srv = launch(model, 0, base_args(), OUT / "pd_oasis_ref_dense.log")
-    try:
-        ref = [generate_ids(srv.url, p, n_new) for p in prompts]
-    finally:
-        srv.stop()
+    ref = dense_reference(model, prompts, n_new)
     with cf.ThreadPoolExecutor(len(prompts)) as ex:        # together: the decode node runs them batched
         got = list(ex.map(lambda p: generate_ids(pd.url, p, n_new), prompts))
     for p, r, g in zip(prompts, ref, got):
@@ -96,6 +130,11 @@ def test_greedy_through_router_equals_dense(model, tok, pd):
     assert "OasisKV PD: host tier registered" in pd.pf.log()
     admitted = {int(m[0]): float(m[3]) for m in ADMITTED.findall(dlog)}
     assert set(admitted) >= {len(p) for p in prompts}, admitted
+    # retracted mid-decode (the test mode above): recomputed by the prefill node and admitted
+    # again with prompt + output so far, and still the dense server's tokens
+    assert "Testing retraction" in dlog and "OasisKV PD: request" in dlog and " retracted " in dlog, \
+        "no request was retracted"
+    assert len(admitted) > len(prompts), admitted
 
 
 def test_prefill_pages_are_released_by_the_decode_node(tok, pd):
@@ -136,6 +175,17 @@ def test_needles_through_router_at_budget_512(tok, pd, tokens, depth):
     # page numbers; the issue's target is >= 4x less than a full transfer at block 8
     ratio = {int(m[0]): float(m[3]) for m in ADMITTED.findall(pd.dc.log())}
     assert ratio.get(n, 0) >= 4.0, (n, ratio)
+    # what the decode node held of it in its host tier: the blocks it read, and those it decoded
+    whole_min = n * 28 * 3 * 64 * 2 * 4 / 2**20        # its tokens' K/V: 28 sparse layers, 3 KV heads, fp32
+    rel = []
+    for _ in range(30):                                 # logged when the request's pages are freed
+        rel = [m for m in RELEASED.findall(pd.dc.log()) if float(m[1]) >= whole_min]
+        if rel:
+            break
+        time.sleep(1)
+    assert rel, "no release line for the needle request"
+    held, whole, less = float(rel[-1][0]), float(rel[-1][1]), float(rel[-1][2])
+    assert less >= 2.0 and held < whole / 2, rel[-1]
 
 
 def test_prefill_killed_mid_decode(model, tok, pd):
@@ -161,6 +211,11 @@ def test_prefill_killed_mid_decode(model, tok, pd):
     assert time.time() - t_kill < 120
     assert "its prefill node was lost" in pd.dc.log()[mark:]
     assert requests.get(pd.dc.url + "/health", timeout=30).status_code == 200
+    # the decode node gave back the lost request's rows and pages (SGLang's idle memory check
+    # passes: it stops the server on a leak) and holds no request from a prefill node
+    rel = RELEASED.findall(pd.dc.log()[mark:])
+    assert rel and rel[-1][4] == "0", rel
+    assert "leak" not in pd.dc.log().lower()
     # a new prefill node on the same ports (the router knows that URL and bootstrap port)
     port = int(pd.pf.url.rsplit(":", 1)[1])
     for _ in range(60):
@@ -180,3 +235,31 @@ def test_prefill_killed_mid_decode(model, tok, pd):
             break
         time.sleep(3)
     assert ok is not None, "no request served after the prefill node restarted"
+
+
+def test_eagle3_drafts_through_router_equal_dense(model, tok, pd):
+    """EAGLE-3 on both nodes (random-weight draft head, ``predictor: lookahead``): the draft
+    model's KV is sent whole by SGLang's transfer and counted at admission; the decode node's
+    paired forward (drafts as look-ahead probes, all rejected) gives the dense server's tokens."""
+    from oasis_sglang.models import prepare_smollm2_eagle3
+
+    pd.stop()                  # the last test: free the CPU and memory for this deployment
+    spec = ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(prepare_smollm2_eagle3()),
+            "--speculative-num-steps", "1", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "2",
+            "--decode-log-interval", "4"]
+    cfg = {**CFG, "predictor": "lookahead", "kernels": "torch"}
+    d = Deployment(model, cfg, "pd_oasis_eagle3", spec=spec, retract=False)
+    try:
+        prompts = short_prompts(tok)
+        ref = dense_reference(model, prompts, 24)
+        with cf.ThreadPoolExecutor(len(prompts)) as ex:
+            got = list(ex.map(lambda p: generate_ids(d.url, p, 24), prompts))
+        for p, r, g in zip(prompts, ref, got):
+            assert g == r, f"prompt of {len(p)} tokens: PD oasis + EAGLE-3 {g} != dense {r}"
+        dlog = d.dc.log()
+        lines = [l for l in dlog.splitlines() if "OasisKV decode:" in l]
+        assert lines and "predictor: lookahead" in lines[-1] and "draft match: " in lines[-1], lines[-1:]
+        adm = [l for l in dlog.splitlines() if "OasisKV PD: admitted request" in l and "draft model's KV" in l]
+        assert len(adm) >= len(prompts), "the draft model's KV was not counted at admission"
+    finally:
+        d.stop()
