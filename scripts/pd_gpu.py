@@ -3,12 +3,17 @@ side on the same GPU, NIXL over loopback (issue 19's optional H200 run).
 
     python scripts/pd_gpu.py --model $M --input-len 16384 --requests 2 --out out/pd_gpu
 
-Both servers serve the Qwen3-8B-shaped dummy (``--load-format dummy``, random weights: speed and
-bytes only) with SGLang's PD mode (``--disaggregation-transfer-backend nixl``). The requests go
+Both servers serve ``--model`` with random weights (``--load-format dummy``, always: speed and
+bytes only; the gpu-host kit's Qwen3-8B-shaped dummy) with SGLang's PD mode
+(``--disaggregation-transfer-backend nixl``), ``--mem-fraction-static`` 0.4 each, the triton
+attention backend, ``--sampling-backend pytorch`` (the gpu-host kit's settings), no CUDA graphs
+(the PD decode node decodes eagerly anyway), ``predictor: previous``. The requests go
 to both servers at once with one bootstrap room each, as sglang-router sends them (the router is
 not needed to measure what crosses). Reported from the decode node's ``OasisKV PD`` lines: MiB at
 admission against a full transfer, MiB read on demand, the request's sparse-layer KV held in the
-decode node's host tier against a whole allocation; and the wall time of each request.
+decode node's host tier against a whole allocation (on a GPU the tier is page-locked whole: that
+figure is what an on-demand tier would hold, not memory saved); and the wall time of each request.
+Exit status 1 when no request was admitted or one failed on either node.
 Writes ``<out>/pd_gpu.json``, ``<out>/pd_gpu.md`` and both servers' logs.
 """
 
@@ -114,7 +119,7 @@ def main(argv=None) -> int:
     lines.append(f"\nrequests: {results}; wall {wall:.1f} s; read on demand (cumulative, last line): {res['read_on_demand_last']}")
     (out / "pd_gpu.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
-    ok = adm and all(r["decode_status"] == 200 for r in results)
+    ok = adm and all(r["decode_status"] == 200 and r["prefill_status"] == 200 for r in results)
     return 0 if ok else 1
 
 

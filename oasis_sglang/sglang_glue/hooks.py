@@ -103,7 +103,7 @@ HOOKS: tuple[Hook, ...] = (
          "free a finished decode request's working set and remote pages (ReqToTokenPool.free's hook does not fire here)"),
     Hook("sglang.srt.managers.schedule_batch.release_req", "AROUND",
          "oasis_sglang.disagg.sglang_hooks:release_req_hook",
-         "a retracted PD decode request: no CPU copy of its KV (sparse placeholders); keep its prefill lease"),
+         "a retracted PD decode request: no CPU copy of its KV (sparse placeholders); its prefill node recomputes it"),
     Hook("sglang.srt.disaggregation.decode.DecodePreallocQueue.add", "AROUND",
          "oasis_sglang.disagg.sglang_hooks:prealloc_add_hook",
          "a retracted PD decode request is recomputed by its prefill node (SGLang's PD rebootstrap)"),

@@ -226,6 +226,9 @@ def _pd_args(args, mode: str, spec: bool, bad) -> None:
     if getattr(args, "disaggregation_decode_enable_radix_cache", False):
         bad("--disaggregation-decode-enable-radix-cache", "cannot be combined: a prefix hit on the decode node "
             "would skip the transfer of the page numbers its blocks are read by")
+    if getattr(args, "disaggregation_decode_enable_offload_kvcache", False):
+        bad("--disaggregation-decode-enable-offload-kvcache", "cannot be combined: it offloads the decode node's KV "
+            "cache to the host, where OasisKV's host tier already holds the sparse layers")
     algo = str(getattr(args, "speculative_algorithm", None) or "").upper()
     if spec and algo != "EAGLE3":
         bad("--speculative-algorithm", f"{algo} cannot be combined with --disaggregation-mode: only EAGLE3 is "

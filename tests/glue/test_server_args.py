@@ -74,6 +74,8 @@ def test_oasis_sets_dependent_defaults(model, monkeypatch):
      "--speculative-algorithm NGRAM cannot be combined with --disaggregation-mode: only EAGLE3"),
     (dict(disaggregation_mode="decode", disaggregation_transfer_backend="nixl",
           disaggregation_decode_enable_radix_cache=True), "--disaggregation-decode-enable-radix-cache"),
+    (dict(disaggregation_mode="decode", disaggregation_transfer_backend="nixl",
+          disaggregation_decode_enable_offload_kvcache=True), "--disaggregation-decode-enable-offload-kvcache"),
     (dict(kv_sparse_config='{"pd_lease_s": 0}'), "pd_lease_s"),
     (dict(kv_sparse_config='{"pd_lease_s": %d}' % 10 ** 400), "pd_lease_s"),
     (dict(kv_sparse_config='{"pd_read_timeout_s": "10"}'), "pd_read_timeout_s"),
