@@ -20,11 +20,11 @@ Rules (stated, tested in tests/e2e/test_e2e_pd_oasis.py):
 - Prefill pages: after SGLang's transfer the prefill node holds the request's pages under a
   lease instead of freeing them (``PrefillSide.lease``); the decode node renews it while the
   request decodes (``oasis-renew:<room>`` every ``pd_lease_s / 4``) and releases it when the
-  request ends, is retracted or cannot be admitted (``oasis-release:<room>:<n>``, the room's
-  n-th transfer, or ``oasis-release:<room>``; NIXL notifications); a lease neither renewed nor
-  released for ``pd_lease_s`` seconds expires.
-- The decode node's host tier holds only the blocks it read or decoded (``core/host_tier.py``
-  commits memory on demand off CUDA; a request's blocks are given back when it ends).
+  request ends, is retracted or cannot be admitted (``oasis-release:<room>:<page>``, the
+  transfer named by the prefill node's page of its last token, or ``oasis-release:<room>``;
+  NIXL notifications); a lease neither renewed nor released for ``pd_lease_s`` seconds expires.
+- Off CUDA the decode node's host tier holds only the blocks it read or decoded (``core/host_tier.py``
+  commits memory on demand; a request's blocks are given back when it ends or is retracted).
 - Retraction on the decode node (its KV slots ran out): the request is recomputed by its prefill
   node (SGLang's PD rebootstrap, ``sglang_hooks.release_req_hook`` / ``prealloc_add_hook``), not
   copied to the CPU, and admitted again as that room's next transfer.
@@ -89,17 +89,26 @@ def agent_name(role: str, tp_rank: int) -> str:
     return f"oasis-{role}-{uuid.uuid4().hex[:8]}-tp{tp_rank}"
 
 
+def _page_list(pages) -> torch.Tensor:
+    """``[N]`` int64 host pages on the CPU. Raises ValueError for a bool mask or floats."""
+    t = torch.as_tensor(pages)
+    if t.dtype == torch.bool or t.dtype.is_floating_point or t.dtype.is_complex:
+        raise ValueError(f"OasisKV PD: page numbers must be integers, got {t.dtype}")
+    return t.reshape(-1).to("cpu", torch.int64)
+
+
 @dataclass
 class Lease:
     """A prefill request whose KV pages are held for a decode node: ``release()`` frees them
     (SGLang's ``release_kv_cache`` of the request), ``deadline`` is ``time.monotonic()`` seconds,
-    ``gen`` counts the transfers of its bootstrap room (a request retracted on its decode node
-    and recomputed here is transferred again under the same room)."""
+    ``page`` the page here of the transfer's last token: it names the transfer (a request
+    retracted on its decode node and recomputed here is transferred again under the same room,
+    into pages allocated while the first transfer's were still held, so its last page differs)."""
     release: object
     deadline: float
     rid: str
     tokens: int = 0
-    gen: int = 1
+    page: int | None = None
 
 
 class PrefillSide:
@@ -117,24 +126,21 @@ class PrefillSide:
         self.lease_s = float(lease_s)
         self.leases: dict[int, Lease] = {}
         self.released = self.expired = 0
-        # transfers per bootstrap room so far, and when the last one was leased (pruned after 2 leases' time)
-        self._gens: dict[int, tuple[int, float]] = {}
 
     def layout_b64(self) -> str:
         return base64.b64encode(self.tier.layout().to_bytes()).decode()
 
-    def lease(self, room: int, release, rid: str = "", tokens: int = 0) -> None:
+    def lease(self, room: int, release, rid: str = "", tokens: int = 0, page: int | None = None) -> None:
         """Hold a transferred request's pages until its decode node releases them (or
         ``lease_s`` passes without a renewal). ``release``: a callable freeing them (called
         once); ``tokens``: the KV slots it holds outside the radix cache (SGLang's idle memory
-        check counts them)."""
-        room, now = int(room), time.monotonic()
+        check counts them); ``page``: the page of its last transferred token (:class:`Lease`)."""
+        room = int(room)
         old = self.leases.pop(room, None)
         if old is not None:          # a room transferred again while its lease is held: free the old pages first
             self._free(room, old)
-        gen = self._gens.get(room, (0, 0.0))[0] + 1
-        self._gens[room] = (gen, now)
-        self.leases[room] = Lease(release, now + self.lease_s, rid, int(tokens), gen)
+        self.leases[room] = Lease(release, time.monotonic() + self.lease_s, rid, int(tokens),
+                                  None if page is None else int(page))
 
     def _free(self, room: int, lease: Lease) -> None:
         try:
@@ -150,9 +156,10 @@ class PrefillSide:
         """Free the leases the decode nodes released (NIXL notifications) or that expired.
         Called from the prefill scheduler's loop. Returns leases freed.
 
-        Messages: ``oasis-release:<room>[:<gen>]`` and ``oasis-renew:<room>``. With ``gen``, only
-        the lease of that transfer of the room is freed: a release sent when a request was
-        retracted on its decode node cannot free the lease of its recompute's transfer."""
+        Messages: ``oasis-release:<room>[:<page>]`` and ``oasis-renew:<room>``. With ``page`` (the
+        transfer's last page here, :class:`Lease`), only the lease of that transfer is freed: a
+        release sent when a request was retracted on its decode node cannot free the lease of its
+        recompute's transfer."""
         n = 0
         try:
             notifs = self.tier.agent.get_new_notifs()
@@ -163,15 +170,16 @@ class PrefillSide:
         for msgs in notifs.values():
             for m in msgs:
                 kind = RELEASE if m.startswith(RELEASE) else RENEW if m.startswith(RENEW) else None
-                digits, _, g = (m[len(kind):] if kind else b"").partition(b":")
-                if not (digits.isdigit() and len(digits) <= 20) or (g and not (g.isdigit() and len(g) <= 9)):
+                digits, sep, g = (m[len(kind):] if kind else b"").partition(b":")
+                if not (digits.isdigit() and len(digits) <= 20) or (sep and not (g.isdigit() and len(g) <= 19)):
                     continue                 # not ours, or malformed: ignored
-                room, gen = int(digits), int(g) if g else None
+                room, page = int(digits), int(g) if sep else None
                 if kind == RENEW:
                     if room in self.leases:
                         self.leases[room].deadline = now + self.lease_s
                     continue
-                if gen is not None and room in self.leases and self.leases[room].gen != gen:
+                held = self.leases.get(room)
+                if page is not None and held is not None and held.page is not None and held.page != page:
                     continue                 # the release of an earlier transfer of this room
                 lease = self.leases.pop(room, None)
                 if lease is not None:
@@ -185,8 +193,6 @@ class PrefillSide:
             self._free(room, lease)
             self.expired += 1
             n += 1
-        for room in [r for r, (_, t) in self._gens.items() if r not in self.leases and now - t > 2 * self.lease_s]:
-            del self._gens[room]
         if n:
             logger.info("OasisKV PD: freed %d lease(s); released by decode nodes: %d, expired: %d, held now: %d",
                         n, self.released, self.expired, len(self.leases))
@@ -197,12 +203,13 @@ class PrefillSide:
 class Admitted:
     """A decode-node request admitted from a prefill node: ``pages [N]`` int64 its host pages
     here (block by block), ``peer`` the prefill node's NIXL agent, ``room`` its bootstrap room,
-    ``gen`` which transfer of that room (1, or more after retractions: ``PrefillSide.lease``)."""
+    ``src_last`` the prefill node's page of its last block (names the transfer in releases:
+    ``PrefillSide.lease``)."""
     pages: torch.Tensor
     peer: str
     room: int
     rid: str
-    gen: int = 1
+    src_last: int = -1
 
 
 class DecodeSide:
@@ -247,7 +254,6 @@ class DecodeSide:
         self._next_renew = 0.0
         # released requests: their bytes in this host tier, and what a whole allocation holds
         self.released_requests = self.held_bytes_total = self.whole_bytes_total = 0
-        self.transfers: dict[int, int] = {}    # bootstrap room -> transfers admitted (retracted requests come back)
         # bytes per page of the draft model's KV cache, which SGLang sends whole (set by the glue; None: not yet read)
         self.draft_page_bytes: int | None = None
         self.retracted = 0
@@ -370,9 +376,7 @@ class DecodeSide:
                              f"tier has {self.fetcher.peers[peer].num_pages} pages")
         self.engine.reset_rows([row])
         self.remote.admit(pages, peer, src)
-        gen = self.transfers.get(int(room), 0) + 1
-        self.transfers[int(room)] = gen
-        self.rows[int(row)] = Admitted(pages, peer, int(room), rid, gen)
+        self.rows[int(row)] = Admitted(pages, peer, int(room), rid, int(src[-1]))
         n = pages.numel()
         draft = self.draft_page_bytes or 0
         sent = n * (getattr(self.pool, "pd_page_bytes", 0) + draft)
@@ -387,18 +391,22 @@ class DecodeSide:
                         ", draft model's KV" if draft else "", full / mib, full / sent, self.fetcher.stats.bytes / mib,
                         self.fetcher.stats.transfers)
 
-    def held_bytes(self, row: int, pages: torch.Tensor) -> int:
+    def held_bytes(self, row: int, pages: torch.Tensor, tokens: int | None = None) -> int:
         """Bytes of request ``row``'s sparse-layer K/V in this node's host tier: the pieces of its
-        prompt blocks read from its prefill node, plus every piece of its other blocks (written
-        here by decode). ``pages [N]``: all its host pages."""
+        prompt blocks read from its prefill node, plus every piece of its other complete blocks
+        (written here by decode). ``pages [N]``: all its host pages, in order; ``tokens``: its
+        token count (a partial last block is only in the working set)."""
         adm = self.rows.get(int(row))
-        pages = torch.as_tensor(pages, dtype=torch.int64).reshape(-1).cpu()
+        pages = _page_list(pages)
         remote = torch.zeros(0, dtype=torch.int64) if adm is None else adm.pages
+        if tokens is not None and tokens % self.engine.bs and pages.numel() \
+                and not bool(torch.isin(pages[-1:], remote).all()):
+            pages = pages[:-1]
         own = pages[~torch.isin(pages, remote)]
         pieces = int(self.remote.present[:, :, remote].sum()) + own.numel() * self.remote.L * self.remote.H
         return pieces * self.engine.block_bytes
 
-    def release(self, row: int, pages: torch.Tensor | None = None) -> None:
+    def release(self, row: int, pages: torch.Tensor | None = None, tokens: int | None = None) -> None:
         """The request on ``row`` ended: its pages are this node's again, and its prefill node
         may free its pages (a NIXL notification; a lost peer is not told).
 
@@ -407,11 +415,16 @@ class DecodeSide:
                 their memory goes back to the OS (``HostTier.discard``, on-demand tiers) and the
                 request's host-tier bytes are logged against a whole allocation. Default: its
                 prompt pages.
+            tokens: tokens the request held (its last block is partial when not a multiple of
+                the block size: it lived in the working set only and is not counted as held).
         """
         adm = self.rows.get(int(row))
         if pages is not None:
-            pages = torch.as_tensor(pages, dtype=torch.int64).reshape(-1).cpu()
-            held = self.held_bytes(row, pages)
+            pages = _page_list(pages)
+            others = [a.pages for r, a in self.rows.items() if r != int(row)]
+            if others:           # never give back a block another admitted request holds
+                pages = pages[~torch.isin(pages, torch.cat(others))]
+            held = self.held_bytes(row, pages, tokens)
             self.engine.host.discard(self._with_free_neighbours(pages))
             if adm is not None:
                 whole = pages.numel() * self.remote.L * self.remote.H * self.engine.block_bytes
@@ -420,10 +433,13 @@ class DecodeSide:
                 self.whole_bytes_total += whole
                 mib = 2 ** 20
                 less = f"{whole / held:.2f}x less" if held else "none held"
+                left = len(self.rows) - 1
+                # the tier's resident memory (mincore over the whole tier: ~1 s for a large one) only once idle
+                res = f"{self.engine.host.resident_bytes() / mib:.2f} MiB" if not left else "-"
                 logger.info("OasisKV PD: released request %s: its sparse layers' KV in this node's host tier %.2f MiB "
                             "(blocks read on demand or decoded here) vs %.2f MiB allocated whole (%s); host "
-                            "tier resident %.2f MiB, requests from prefill nodes held: %d", adm.rid, held / mib,
-                            whole / mib, less, self.engine.host.resident_bytes() / mib, len(self.rows) - 1)
+                            "tier resident %s, requests from prefill nodes held: %d", adm.rid, held / mib,
+                            whole / mib, less, res, left)
         adm = self.rows.pop(int(row), None)
         if adm is None:
             return
@@ -434,7 +450,8 @@ class DecodeSide:
         if adm.peer in self.remote.lost:
             return
         try:
-            self.tier.agent.send_notif(adm.peer, RELEASE + f"{adm.room}:{adm.gen}".encode())
+            self.tier.agent.send_notif(adm.peer, RELEASE + (f"{adm.room}:{adm.src_last}" if adm.src_last >= 0
+                                                            else str(adm.room)).encode())
         except Exception as e:  # noqa: BLE001 - the lease then expires on the prefill node
             logger.warning("OasisKV PD: could not tell prefill node %s to free request %s's pages (%s); "
                            "its lease will expire", adm.peer, adm.rid, e)
@@ -449,7 +466,7 @@ class DecodeSide:
         if k <= 1 or self.free_pages is None or not pages.numel():
             return pages
         try:
-            free = torch.as_tensor(self.free_pages()).reshape(-1).to("cpu", torch.int64)
+            free = _page_list(self.free_pages())
         except Exception as e:  # noqa: BLE001 - only memory is at stake: give back the request's own blocks
             logger.warning("OasisKV PD: reading the free pages failed (%s); giving back the request's own only", e)
             return pages
@@ -458,7 +475,7 @@ class DecodeSide:
         return torch.unique(torch.cat([pages, near[torch.isin(near, free)]]))
 
     def request_freed(self, row: int, pages: torch.Tensor | None, bootstrap: tuple | None, rid: str = "",
-                      retracted: bool = False) -> None:
+                      retracted: bool = False, tokens: int | None = None) -> None:
         """SGLang freed the request on ``row`` (``DecodeReqToTokenPool.free``): release it
         (:meth:`release`). One that was never admitted here (aborted or failed while in SGLang's
         transfer queue) may still hold a lease on its prefill node: that node is told to free it
@@ -467,14 +484,13 @@ class DecodeSide:
         Args:
             pages: ``[N]`` int64 every host page it held, or ``None``. bootstrap: ``(host, port,
                 room)`` of a request from a prefill node; ``None`` for SGLang's warm-up.
+            tokens: the tokens it held (:meth:`release`).
             retracted: retracted, to be recomputed by its prefill node and transferred again
                 under the same room (SGLang's PD rebootstrap): this transfer's lease is released
-                (its generation named) and the room's count of transfers is kept.
+                (named by its last page there), as when a request ends.
         """
         adm = self.rows.get(int(row))
-        self.release(row, pages)
-        if adm is not None and not retracted:
-            self.transfers.pop(adm.room, None)
+        self.release(row, pages, tokens)
         if adm is None and bootstrap is not None:
             self.refuse(bootstrap[0], bootstrap[1], bootstrap[2], rid)
 

@@ -93,9 +93,20 @@ def prefill_release_hook(original, req, tree_cache, *args, **kwargs):
         if not isinstance(req.finished_reason, FINISH_ABORT) and req.bootstrap_host != FAKE_BOOTSTRAP_HOST \
                 and sender.poll() == KVPoll.Success:
             s.lease(req.bootstrap_room, lambda: original(req, tree_cache, *args, **kwargs), req.rid,
-                    _uncached_tokens(req, tree_cache))
+                    _uncached_tokens(req, tree_cache), _last_page(req, tree_cache))
             return None
     return original(req, tree_cache, *args, **kwargs)
+
+
+def _last_page(req, tree_cache):
+    """The page of the request's last transferred (prompt) token, which names its transfer in
+    the decode node's release (``PrefillSide.lease``); ``None`` if it cannot be read."""
+    try:
+        n = len(req.origin_input_ids)
+        slot = int(tree_cache.req_to_token_pool.req_to_token[req.req_pool_idx, n - 1])
+        return slot // int(getattr(tree_cache, "page_size", 1) or 1)
+    except Exception:  # noqa: BLE001 - the release then frees whatever lease the room has
+        return None
 
 
 def _uncached_tokens(req, tree_cache) -> int:
@@ -250,14 +261,15 @@ def decode_req_free_hook(self, req, *args, **kwargs):
             from sglang.srt.disaggregation.utils import FAKE_BOOTSTRAP_HOST
 
             pd = req.bootstrap_host not in (None, FAKE_BOOTSTRAP_HOST) and req.bootstrap_room is not None
-            s.request_freed(req.req_pool_idx, _request_pages(self, req, rt.engine.bs),
+            pages, n = _request_pages(self, req, rt.engine.bs)
+            s.request_freed(req.req_pool_idx, pages,
                             (req.bootstrap_host, req.bootstrap_port, req.bootstrap_room) if pd else None, req.rid,
-                            retracted=bool(getattr(req, "_oasis_retracting", False)))
+                            retracted=bool(getattr(req, "_oasis_retracting", False)), tokens=n)
     return None
 
 
 def _request_pages(req_to_token_pool, req, block_size: int):
-    """``[N]`` int64 host pages of every token slot the request held (prompt and output: SGLang's
+    """``([N] int64 host pages, tokens)`` of every token slot the request held (prompt and output: SGLang's
     ``kv_allocated_len``, whose slots ``mem_cache/common.py release_kv_cache`` has just freed;
     nothing is allocated before this hook runs)."""
     from .admission import request_pages
@@ -267,8 +279,8 @@ def _request_pages(req_to_token_pool, req, block_size: int):
     n = int(kv.kv_allocated_len) if kv is not None else int(getattr(req, "kv_committed_len", 0) or 0)
     n = min(n, row.numel())
     if n <= 0:
-        return None
-    return request_pages(row, n, block_size)
+        return None, None
+    return request_pages(row, n, block_size), n
 
 
 def decode_req_clear_hook(result, self, *args, **kwargs):

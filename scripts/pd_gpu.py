@@ -32,7 +32,7 @@ ADMITTED = re.compile(r"OasisKV PD: admitted request (\S+) from \S+: (\d+) promp
                       r".* vs ([\d.]+) MiB for a full transfer \(([\d.]+)x less\)")
 RELEASED = re.compile(r"OasisKV PD: released request (\S+): its sparse layers' KV in this node's host tier ([\d.]+) MiB "
                       r".* vs ([\d.]+) MiB allocated whole \((?:([\d.]+)x less|none held)\); host tier resident "
-                      r"([\d.]+) MiB")
+                      r"([\d.]+ MiB|-)")
 READ = re.compile(r"read on demand so far: ([\d.]+) MiB in (\d+) NIXL reads")
 
 
@@ -80,6 +80,9 @@ def main(argv=None) -> int:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
     if not 0 < a.mem_fraction <= 0.45:
         ap.error("--mem-fraction must be in (0, 0.45]: two servers share the GPU")
+    if a.budget > a.input_len + a.output_len + 64:
+        ap.error(f"--budget {a.budget} exceeds the servers' context length ({a.input_len + a.output_len + 64} = "
+                 "--input-len + --output-len + 64)")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     from oasis_sglang.testing.launch import free_port, launch

@@ -156,15 +156,20 @@ class HostTier:
 
     def discard(self, pages: torch.Tensor) -> int:
         """Give the memory of blocks ``pages [N]`` (int64 host pages, every layer and KV head)
-        back to the OS: they read as zeros until written again. Only the OS pages wholly inside
-        those blocks' pieces are given back (a piece smaller than an OS page shares it with its
-        neighbour). Nothing on a pinned tier (page-locked memory stays).
+        back to the OS. Only the OS pages wholly inside those blocks' pieces are given back (a
+        piece smaller than an OS page, or not a multiple of one, shares OS pages with its
+        neighbours): what was given back reads as zeros until written again, the rest keeps its
+        data. Nothing on a pinned tier (page-locked memory stays). Cost: one ``madvise`` per run
+        of consecutive pieces (about a second per 10^5 scattered pieces on the dev box).
 
         Returns: bytes given back (an upper bound: pages never written count too).
         Raises:
-            ValueError: a page outside ``0 .. P - 1``.
+            ValueError: a page outside ``0 .. P - 1``, or pages that are not integers (a bool mask, floats).
         """
-        pages = torch.as_tensor(pages, dtype=torch.int64).reshape(-1).cpu()
+        pages = torch.as_tensor(pages)
+        if pages.dtype == torch.bool or pages.dtype.is_floating_point or pages.dtype.is_complex:
+            raise ValueError(f"HostTier.discard: pages must be integers, got {pages.dtype}")
+        pages = pages.reshape(-1).to("cpu", torch.int64)
         if not self.on_demand or not pages.numel():
             return 0
         if int(pages.min()) < 0 or int(pages.max()) >= self.num_pages:

@@ -75,9 +75,9 @@ def test_admit_decode_release(sides):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"step {t - prompt}")
     assert ds.remote.bytes_read > 0 and not ds.remote.lost
     assert dc.stats.sync_steps >= 1
-    assert ds.rows[2].gen == 1 and ds.transfers == {77: 1}
-    ds.request_freed(2, None, ("prefill-host", 1, 77), "req-77")     # the request ended: its room is forgotten
-    assert not ds.transfers
+    assert ds.rows[2].src_last == int(src[-1])            # names the transfer in the release
+    ds.request_freed(2, None, ("prefill-host", 1, 77), "req-77")
+    assert not ds.rows
     assert bool(ds.remote.present.all()) and bool((dpool.pd_page_ids[0][dst] == -1).all())
     for _ in range(200):                                  # the notification crosses UCX loopback
         if ps.poll():
@@ -128,6 +128,30 @@ def test_decode_node_holds_only_the_blocks_it_read_or_decoded(seed):
     finally:
         ds.tier.close()
         ps.tier.close()
+
+
+def test_release_never_gives_back_another_requests_blocks_and_rejects_masks(sides):
+    """A page list that (wrongly) holds a block of another admitted request: that block keeps
+    its data. Bool masks and floats are refused, not read as page numbers."""
+    pf, dc, ps, ds, dpool = sides
+    rt = torch.zeros(ROWS, 256, dtype=torch.int32)
+    rt[1, :16], rt[2, :16] = torch.arange(16), torch.arange(64, 80)         # pages 0-3 and 16-19
+    for r in (1, 2):
+        pd = torch.div(rt[r, :16:BS].long(), BS, rounding_mode="floor")
+        for t in dpool.pd_page_ids:
+            t[pd] = pd
+        ds.admit(r, rt[r], 16, "prefill-host", 1, 100 + r, f"req-{r}")
+    given = []                                             # what release hands the host tier
+    discard = dc.host.discard
+    dc.host.discard = lambda p: (given.append(p.clone()), discard(p))[1]
+    ds.release(1, torch.tensor([0, 1, 2, 3, 16]), tokens=16)
+    assert given and 16 not in given[-1].tolist() and set(given[-1].tolist()) >= {0, 1, 2, 3}
+    assert 2 in ds.rows
+    for bad in (torch.arange(8) == 3, torch.tensor([0.5, 2.0])):
+        with pytest.raises(ValueError, match="integers"):
+            ds.release(2, bad)
+        with pytest.raises(ValueError, match="integers"):
+            dc.host.discard(bad)
 
 
 def test_admit_refuses_a_transfer_without_page_numbers(sides):
@@ -214,25 +238,29 @@ def test_a_release_names_its_transfer_of_the_room(sides):
     transfer's lease, whatever order the messages arrive in."""
     pf, dc, ps, ds, dpool = sides
     freed = []
-    ps.lease(7, lambda: freed.append("first"), "r")
-    ps.lease(7, lambda: freed.append("second"), "r")      # transferred again before the release arrived
-    assert freed == ["first"] and ps.leases[7].gen == 2
+    ps.lease(7, lambda: freed.append("first"), "r", page=40)
+    ps.lease(7, lambda: freed.append("second"), "r", page=41)   # transferred again before the release arrived
+    assert freed == ["first"] and ps.leases[7].page == 41
     peer = ds.peers[("prefill-host", 1)]
-    ds.tier.agent.send_notif(peer, b"oasis-release:7:1")     # late: its lease is gone
+    ds.tier.agent.send_notif(peer, b"oasis-release:7:40")    # late: its lease is gone
     for _ in range(20):
         ps.poll()
         time.sleep(0.05)
     assert 7 in ps.leases and freed == ["first"]
-    ds.tier.agent.send_notif(peer, b"oasis-release:7:2")
+    ds.tier.agent.send_notif(peer, b"oasis-release:7:41")
     _deliver(ps)
     assert freed == ["first", "second"] and not ps.leases
-    for m in (b"oasis-release:7:", b"oasis-release:7:x", b"oasis-release:7:1234567890"):   # malformed: ignored
-        ds.tier.agent.send_notif(peer, m)
-    ps.lease(8, lambda: freed.append("third"), "s")
+    ps.lease(8, lambda: freed.append("third"), "s", page=3)
+    for m in (b"oasis-release:8:", b"oasis-release:8:x", b"oasis-release:8:-3", b"oasis-release:8:3:1"):
+        ds.tier.agent.send_notif(peer, m)                    # malformed: ignored
     for _ in range(20):
         ps.poll()
         time.sleep(0.05)
     assert 8 in ps.leases
+    ps.lease(9, lambda: freed.append("fourth"), "t", page=5)    # the room reused by a new request: its own page
+    ds.tier.agent.send_notif(peer, b"oasis-release:9:5")
+    _deliver(ps)
+    assert 9 not in ps.leases and freed[-1] == "fourth"
 
 
 def test_refused_admission_releases_the_lease(sides):

@@ -44,7 +44,7 @@ CFG = {**NEEDLE_CFG, "pd_read_timeout_s": 5.0}
 RETRACT_EVERY = 16
 RELEASED = re.compile(r"OasisKV PD: released request \S+: its sparse layers' KV in this node's host tier ([\d.]+) MiB "
                       r".* vs ([\d.]+) MiB allocated whole \((?:([\d.]+)x less|none held)\); host tier resident "
-                      r"([\d.]+) MiB, requests from prefill nodes held: (\d+)")
+                      r"([\d.]+ MiB|-), requests from prefill nodes held: (\d+)")
 ADMITTED = re.compile(r"OasisKV PD: admitted request \S+ from \S+: (\d+) prompt tokens, ([\d.]+) MiB at admission "
                       r".* vs ([\d.]+) MiB for a full transfer \(([\d.]+)x less\)")
 
