@@ -50,9 +50,12 @@ def sides():
     s[2].tier.close()
 
 
-def test_admit_decode_release(sides):
-    pf, dc, ps, ds, dpool = sides
-    prompt, steps = 61, 12
+def transferred(pf, dc, dpool, prompt, steps):
+    """A request of ``prompt`` tokens prefilled on ``pf`` (row 1) and carried to ``dc`` (row 2)
+    by SGLang's page-by-page transfer; K/V/Q for ``steps`` more tokens.
+
+    Returns ``(K, V, Q, rt_p, rt_d, npg, src, dst)``: the request tables, prompt pages and the
+    prefill / decode pages of each prompt block."""
     n = prompt + steps
     K, V, Q = torch.randn(LAYERS, n, H, D), torch.randn(LAYERS, n, H, D), torch.randn(LAYERS, n, HQ, D)
     rt_p = torch.zeros(ROWS, 256, dtype=torch.int32)
@@ -62,8 +65,17 @@ def test_admit_decode_release(sides):
     npg = -(-prompt // BS)
     src = torch.div(rt_p[1, :npg * BS:BS].long(), BS, rounding_mode="floor")
     dst = torch.div(rt_d[2, :npg * BS:BS].long(), BS, rounding_mode="floor")
-    assert bool((dpool.pd_page_ids[0] == -1).all())
+    assert bool((dpool.pd_page_ids[0][dst] == -1).all())
     sglang_transfer(pf, dc, dpool, src, dst)
+    return K, V, Q, rt_p, rt_d, npg, src, dst
+
+
+def test_admit_decode_release(sides):
+    pf, dc, ps, ds, dpool = sides
+    prompt, steps = 61, 12
+    n = prompt + steps
+    assert bool((dpool.pd_page_ids[0] == -1).all())
+    K, V, Q, rt_p, rt_d, npg, src, dst = transferred(pf, dc, dpool, prompt, steps)
     released = []
     ps.lease(77, lambda: released.append(77), "req-77", tokens=npg * BS)
     assert ps.held_tokens() == npg * BS
@@ -94,15 +106,7 @@ def test_decode_node_holds_only_the_blocks_it_read_or_decoded(seed):
     try:
         prompt, steps = 200, 10
         n = prompt + steps
-        K, V, Q = torch.randn(LAYERS, n, H, D), torch.randn(LAYERS, n, H, D), torch.randn(LAYERS, n, HQ, D)
-        rt_p = torch.zeros(ROWS, 256, dtype=torch.int32)
-        rt_d = torch.zeros(ROWS, 256, dtype=torch.int32)
-        rt_p[1, :n], rt_d[2, :n] = locs(n), locs(n)
-        prefill(pf, 1, rt_p, K, V, Q, prompt)
-        npg = -(-prompt // BS)
-        src = torch.div(rt_p[1, :npg * BS:BS].long(), BS, rounding_mode="floor")
-        dst = torch.div(rt_d[2, :npg * BS:BS].long(), BS, rounding_mode="floor")
-        sglang_transfer(pf, dc, dpool, src, dst)
+        K, V, Q, rt_p, rt_d, npg, src, dst = transferred(pf, dc, dpool, prompt, steps)
         ds.admit(2, rt_d[2], prompt, "prefill-host", 1, 3, "req-3")
         assert dc.host.resident_bytes() == 0                   # nothing of the sparse layers' K/V is here
         pf.reset_rows([1])          # the prefill node decoding it itself from an empty row (synchronous first step)
