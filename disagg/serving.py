@@ -461,8 +461,7 @@ class DecodeSide:
         page share it with the neighbouring blocks; a free block's data is never read before it
         is written again, so giving its memory back is safe)."""
         host = self.engine.host
-        k = -(-host_tier.OS_PAGE // max(1, host.block_size * host.head_dim * host.k[0].element_size())) \
-            if host.k else 1
+        k = -(-host_tier.OS_PAGE // max(1, host.piece_bytes))       # blocks that can share an OS page
         if k <= 1 or self.free_pages is None or not pages.numel():
             return pages
         try:

@@ -13,6 +13,7 @@ node holds only the blocks it read from its prefill node, ``disagg/serving.py``)
 from __future__ import annotations
 
 import ctypes
+import functools
 import mmap
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -23,7 +24,9 @@ OS_PAGE = mmap.PAGESIZE
 _MADV_DONTNEED = 4
 
 
+@functools.lru_cache(maxsize=1)
 def _libc():
+    """libc's ``madvise`` and ``mincore`` (loaded once)."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
@@ -147,6 +150,13 @@ class HostTier:
         base = layer_buf.data_ptr()
         return [(base + a * piece_bytes, base + (b + 1) * piece_bytes) for a, b in zip(starts, ends)]
 
+    @property
+    def piece_bytes(self) -> int:
+        """Bytes of one (KV head, block) piece of the smaller of K and V (``bs * min(D, Dv)``
+        elements): below ``OS_PAGE`` neighbouring blocks share OS pages (``discard``)."""
+        elt = self.k[0].element_size() if self.k else torch.empty((), dtype=self.dtype).element_size()
+        return self.block_size * min(self.head_dim, self.v_head_dim) * elt
+
     def _buffers(self):
         """``(buffer, piece bytes)`` of every K and V buffer, layer by layer (K then V)."""
         bs = self.block_size
@@ -187,8 +197,12 @@ class HostTier:
         return n
 
     def resident_bytes(self) -> int:
-        """Host memory the tier holds now (``mincore``: OS pages resident, all buffers). A pinned
-        tier is resident whole; an on-demand one only where blocks were written."""
+        """Host memory the tier holds now, in bytes (``mincore``: OS pages resident, all buffers;
+        about a second for a tier of 10^7 OS pages). A pinned tier is resident whole; an
+        on-demand one only where blocks were written.
+
+        Raises:
+            OSError: ``mincore`` failed."""
         if not self.on_demand:
             return self.nbytes
         libc, n = _libc(), 0
