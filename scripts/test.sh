@@ -4,4 +4,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 # extra arguments go to pytest and replace the default selection (pyproject: testpaths = tests)
-exec "${OASIS_VENV:-.venv}/bin/python" -m pytest -v -rs "$@"
+# --durations: the slowest tests in the output (CI has 90 minutes)
+exec "${OASIS_VENV:-.venv}/bin/python" -m pytest -v -rs --durations=25 "$@"

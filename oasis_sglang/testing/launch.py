@@ -110,13 +110,43 @@ def launch(model: str, port: int, args: list[str], log_path: Path, timeout: floa
     """Start an SGLang server (``sglang serve``) and wait until it serves.
 
     The server's output goes to ``log_path``; with ``echo`` (default) also to this process's
-    stdout/stderr, as SGLang's launcher does. ``port`` 0 picks a free port.
+    stdout/stderr, as SGLang's launcher does. ``port`` 0 picks a free port; a server on a picked
+    port that exits while starting (e.g. one of its internal ports was taken by a server starting
+    beside it) is started once more on another port (the first log kept as ``<log>.1``).
 
     Raises:
         OSError: ``port`` is already in use.
-        Exception: from ``popen_launch_server`` when the server does not come up in ``timeout`` s
-            (its log is in ``log_path``).
+        RuntimeError: the server did not come up in ``timeout`` s or exited; the message holds
+            the last lines of its log (all of it is in ``log_path``).
     """
+    import time
+
+    t0 = time.monotonic()
+    try:
+        return _launch_once(model, port, args, log_path, timeout, echo)
+    except OSError:
+        raise
+    except Exception as first:  # noqa: BLE001 - SGLang's launcher raises plain Exception
+        left = timeout - (time.monotonic() - t0)
+        if port or left < 60:
+            raise _launch_error(first, log_path) from first
+        Path(log_path).replace(str(log_path) + ".1")
+    try:
+        return _launch_once(model, 0, args, log_path, left, echo)
+    except Exception as second:  # noqa: BLE001
+        raise _launch_error(second, log_path) from second
+
+
+def _launch_error(e: Exception, log_path: Path, lines: int = 30) -> RuntimeError:
+    """``e`` with the last ``lines`` lines of the server's log (CI output shows why it failed)."""
+    try:
+        tail = "\n".join(Path(log_path).read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        tail = "(no log)"
+    return RuntimeError(f"SGLang server did not come up: {e}\nlast lines of {log_path}:\n{tail}")
+
+
+def _launch_once(model: str, port: int, args: list[str], log_path: Path, timeout: float, echo: bool) -> Server:
     from sglang.test.test_utils import popen_launch_server
 
     import sys

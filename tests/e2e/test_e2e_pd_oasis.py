@@ -18,8 +18,8 @@ One deployment (budget 512, block 8) for all four:
 - the prefill process killed mid-decode: the request ends with an error, the decode node's
   /health stays 200 and it serves a request from a new prefill node.
 
-Then a second deployment with EAGLE-3 on both nodes (the draft model's KV crosses whole): greedy
-output equals the dense server's.
+Then (opt-in, ``OASIS_EAGLE_EXTRA=1``: CI's 90 minutes do not hold it) a second deployment with
+EAGLE-3 on both nodes (the draft model's KV crosses whole): greedy output equals the dense server's.
 """
 
 import concurrent.futures as cf
@@ -237,6 +237,8 @@ def test_prefill_killed_mid_decode(model, tok, pd):
     assert ok is not None, "no request served after the prefill node restarted"
 
 
+@pytest.mark.skipif(os.environ.get("OASIS_EAGLE_EXTRA") != "1",
+                    reason="opt-in: OASIS_EAGLE_EXTRA=1 (a second PD deployment, ~6 min on 2 cores)")
 def test_eagle3_drafts_through_router_equal_dense(model, tok, pd):
     """EAGLE-3 on both nodes (random-weight draft head, ``predictor: lookahead``): the draft
     model's KV is sent whole by SGLang's transfer and counted at admission; the decode node's
