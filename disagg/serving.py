@@ -36,8 +36,14 @@ Rules (stated, tested in tests/e2e/test_e2e_pd_oasis.py):
 Speculative decoding: the draft model keeps SGLang's own KV pool, which SGLang's transfer sends
 whole (``DecodePreallocQueue._init_kv_manager``); it is counted in the admission line.
 
-Not built here: TP > 1 with PD, CUDA graphs on the PD decode node (the on-demand reads run on the
-host inside the step).
+Reads on the decode node (``OasisConfig.pd_read_mode``): ``deferred`` (default) starts the reads of
+the blocks a pipelined plan left out at the next step's start and does not wait for them (a later
+step's start marks them present), so a predicted step reads nothing on the host and waits for no
+read (one device read of the left-out counts per step instead of one plan read per layer);
+``wait`` reads inside each layer's transfer stage and waits. The step is capturable either way in deferred mode, but
+the glue keeps CUDA graphs off on a PD decode node until that is run on a GPU.
+
+Not built here: TP > 1 with PD; CUDA graphs on the PD decode node (above).
 
 Imports SGLang only inside the hook functions (``disagg/`` and ``sglang_glue/`` are the only
 SGLang importers).
@@ -240,7 +246,8 @@ class DecodeSide:
         self.tier = NixlTier(engine.host.k, engine.host.v, agent_name("decode", tp_rank))
         self.fetcher = RemoteBlockFetcher(self.tier, timeout_s=read_timeout_s)
         self.remote = RemoteBlocks(len(engine.sparse_layers), engine.head_num, engine.host.num_pages,
-                                   fetch=self.fetcher.fetch)
+                                   fetch=self.fetcher.fetch, device=engine.device,
+                                   post=self.fetcher.post, poll=self.fetcher.poll)
         engine.attach_remote(self.remote)
         P = (pool.size + pool.page_size) // pool.page_size        # pages of every transfer region (pool.py)
         # the prefill node's page of each block arrives here with SGLang's transfer; -1: none yet
@@ -438,8 +445,11 @@ class DecodeSide:
                 res = f"{self.engine.host.resident_bytes() / mib:.2f} MiB" if not left else "-"
                 logger.info("OasisKV PD: released request %s: its sparse layers' KV in this node's host tier %.2f MiB "
                             "(blocks read on demand or decoded here) vs %.2f MiB allocated whole (%s); host "
-                            "tier resident %s, requests from prefill nodes held: %d", adm.rid, held / mib,
-                            whole / mib, less, res, left)
+                            "tier resident %s, requests from prefill nodes held: %d; read on demand so far: %.2f "
+                            "MiB in %d NIXL reads, %d pieces of them left out of a plan first (pd_read_mode "
+                            "deferred)", adm.rid, held / mib, whole / mib, less, res, left,
+                            self.fetcher.stats.bytes / mib, self.fetcher.stats.transfers,
+                            self.remote.deferred_pieces)
         adm = self.rows.pop(int(row), None)
         if adm is None:
             return

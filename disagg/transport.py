@@ -197,7 +197,7 @@ class RemoteBlockFetcher:
 
     def fetch(self, peer: str, layer: int, heads, src_pages, dst_pages, timeout_s: float | None = None) -> int:
         """READ pieces ``(layer, heads[i], src_pages[i])`` of ``peer`` into ``(layer, heads[i],
-        dst_pages[i])`` here, and wait.
+        dst_pages[i])`` here, and wait (``post``, then ``poll`` until done).
 
         Args:
             peer: an agent name from ``add_peer``. layer: sparse-layer index.
@@ -209,12 +209,27 @@ class RemoteBlockFetcher:
             PeerLostError: NIXL failed the transfer, or it did not end within the deadline
                 (the handle is released; the destination pieces are then undefined).
         """
+        p = self.post(peer, layer, heads, src_pages, dst_pages, timeout_s)
+        if p is None:
+            return 0
+        while not self.poll(p):
+            time.sleep(0.0002)
+        return p.nbytes
+
+    def post(self, peer: str, layer: int, heads, src_pages, dst_pages,
+             timeout_s: float | None = None) -> "PendingRead | None":
+        """Start the READ of ``fetch`` and return without waiting (``None``: nothing to read).
+        The destination pieces are undefined until ``poll`` returns True.
+
+        Raises:
+            KeyError, ValueError: as ``fetch``. PeerLostError: NIXL could not start it.
+        """
         lay = self.peers[peer]
         heads, src, dst = (np.asarray(torch.as_tensor(x).cpu(), dtype=np.int64) for x in (heads, src_pages, dst_pages))
         if not len(heads) == len(src) == len(dst):
             raise ValueError(f"fetch: {len(heads)} heads, {len(src)} src_pages, {len(dst)} dst_pages")
         if not len(heads):
-            return 0
+            return None
         if not 0 <= layer < len(lay.k_ptrs):
             raise ValueError(f"fetch: layer {layer} not in 0..{len(lay.k_ptrs) - 1}")
         if heads.min() < 0 or heads.max() >= lay.head_num or src.min() < 0 or src.max() >= lay.num_pages \
@@ -232,26 +247,57 @@ class RemoteBlockFetcher:
             h = ag.initialize_xfer("READ", ag.get_xfer_descs(local, "DRAM"), ag.get_xfer_descs(remote, "DRAM"), peer)
         except Exception as e:  # noqa: BLE001 - nixlBind raises its own types
             raise PeerLostError(peer, f"cannot start a READ: {type(e).__name__}: {e}") from e
+        p = PendingRead(peer, h, t_end, len(heads), len(heads) * (lay.k_piece_bytes + lay.v_piece_bytes))
         try:
-            state = ag.transfer(h)
-            while state == _PROC:
-                if time.monotonic() > t_end:
-                    raise PeerLostError(peer, f"a READ of {len(heads)} pieces did not end in time")
-                time.sleep(0.0002)
-                state = ag.check_xfer_state(h)
-            if state != _DONE:
-                raise PeerLostError(peer, f"NIXL ended a READ with state {state}")
+            p.state = ag.transfer(h)
+        except Exception as e:  # noqa: BLE001 - NIXL_ERR_REMOTE_DISCONNECT and the like
+            self._release(p)
+            raise PeerLostError(peer, f"READ failed: {type(e).__name__}: {e}") from e
+        return p
+
+    def poll(self, p: "PendingRead") -> bool:
+        """Whether the READ ``p`` (from ``post``) ended; on True its pieces are here and the
+        counters include it. Raises PeerLostError when NIXL failed it or its deadline passed
+        (its handle is then released; the destination pieces are undefined)."""
+        if p.handle is None:
+            return True
+        ag = self.local.agent
+        try:
+            state = p.state if p.state != _PROC else ag.check_xfer_state(p.handle)
+            if state == _PROC and time.monotonic() > p.t_end:
+                raise PeerLostError(p.peer, f"a READ of {p.pieces} pieces did not end in time")
         except PeerLostError:
+            self._release(p)
             raise
         except Exception as e:  # noqa: BLE001 - NIXL_ERR_REMOTE_DISCONNECT and the like
-            raise PeerLostError(peer, f"READ failed: {type(e).__name__}: {e}") from e
-        finally:
-            try:
-                ag.release_xfer_handle(h)
-            except Exception:  # noqa: BLE001 - a handle still in progress may refuse; nothing else holds it
-                pass
-        n = len(heads) * (lay.k_piece_bytes + lay.v_piece_bytes)
+            self._release(p)
+            raise PeerLostError(p.peer, f"READ failed: {type(e).__name__}: {e}") from e
+        p.state = state
+        if state == _PROC:
+            return False
+        self._release(p)
+        if state != _DONE:
+            raise PeerLostError(p.peer, f"NIXL ended a READ with state {state}")
         self.stats.transfers += 1
-        self.stats.pieces += len(heads)
-        self.stats.bytes += n
-        return n
+        self.stats.pieces += p.pieces
+        self.stats.bytes += p.nbytes
+        return True
+
+    def _release(self, p: "PendingRead") -> None:
+        try:
+            self.local.agent.release_xfer_handle(p.handle)
+        except Exception:  # noqa: BLE001 - a handle still in progress may refuse; nothing else holds it
+            pass
+        p.handle = None
+
+
+@dataclass
+class PendingRead:
+    """A READ started by ``RemoteBlockFetcher.post``: its peer, NIXL handle (``None`` once
+    released), deadline (``time.monotonic()`` seconds), pieces and bytes, last NIXL state."""
+    peer: str
+    handle: object
+    t_end: float
+    pieces: int
+    nbytes: int
+    state: str = _PROC

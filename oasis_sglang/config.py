@@ -17,6 +17,7 @@ from typing import Any, Optional, Union
 MAX_BUDGET_TOKENS = 1 << 20   # beyond any context SGLang serves; the model check is tighter
 KERNEL_CHOICES = ("auto", "triton", "torch")
 PREDICTOR_CHOICES = ("auto", "lookahead", "previous", "current")   # core.prefetch.PREDICTORS + auto
+PD_READ_MODES = ("deferred", "wait")
 
 
 class OasisConfigError(ValueError):
@@ -79,6 +80,15 @@ class OasisConfig:
         pd_read_timeout_s: PD decode node: deadline in seconds of one NIXL read of blocks from
             a prefill node; a read that fails or runs past it marks that node lost and ends its
             requests with an error (``disagg/serving.py``). Default 10; > 0.
+        pd_read_mode: PD decode node: what a predicted (prefetched) step does with a block its
+            plan wants that has not been read from the prefill node yet (``core/remote.py``):
+            ``"deferred"`` (the plan leaves it out and keeps the resident set for that step;
+            the read is made once per step, at the next step's start, for every layer and
+            request together, and the block can be admitted from the step after: no host read
+            inside a step) or ``"wait"`` (each layer's transfer
+            stage reads it before copying: outputs equal colocated decoding, one host read of
+            the plan per layer and step). A request's first decode step after admission always
+            waits. Default "deferred".
         measure_agreement: also score each step's own query and record, per layer, how much of
             its top-K the prediction held (costs the synchronous scoring; measurement only).
             Default false.
@@ -99,6 +109,7 @@ class OasisConfig:
     transfer_budget: Union[str, int, float, None] = "auto"
     pd_lease_s: float = 600.0
     pd_read_timeout_s: float = 10.0
+    pd_read_mode: str = "deferred"
 
     def __post_init__(self) -> None:
         for key in ("budget_tokens", "block_size", "sink_blocks", "recent_blocks"):
@@ -159,6 +170,9 @@ class OasisConfig:
             if not ok:
                 raise OasisConfigError(f"kv_sparse_config: '{key}' must be a positive number of seconds, got {val!r}")
             object.__setattr__(self, key, float(val))
+        if self.pd_read_mode not in PD_READ_MODES:
+            raise OasisConfigError(
+                f"kv_sparse_config: 'pd_read_mode' must be one of {list(PD_READ_MODES)}, got {self.pd_read_mode!r}")
         if not isinstance(self.measure_agreement, bool):
             raise OasisConfigError(
                 f"kv_sparse_config: 'measure_agreement' must be true or false, got {self.measure_agreement!r}")

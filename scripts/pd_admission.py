@@ -63,7 +63,8 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=Path("out/pd_admission"))
     a = ap.parse_args()
     try:
-        cfg = OasisConfig(budget_tokens=a.budget, block_size=a.block_size, predictor="previous")
+        cfg = OasisConfig(budget_tokens=a.budget, block_size=a.block_size, predictor="previous",
+                          pd_read_mode="wait")      # each step waits for its reads: PD outputs == colocated
     except OasisConfigError as e:
         ap.error(str(e))
     if a.prompt <= a.budget:

@@ -6,13 +6,17 @@ side on the same GPU, NIXL over loopback (issue 19's optional H200 run).
 Both servers serve ``--model`` with random weights (``--load-format dummy``, always: speed and
 bytes only; the gpu-host kit's Qwen3-8B-shaped dummy) with SGLang's PD mode
 (``--disaggregation-transfer-backend nixl``), ``--mem-fraction-static`` 0.4 each, the triton
-attention backend, ``--sampling-backend pytorch`` (the gpu-host kit's settings), no CUDA graphs
-(the PD decode node decodes eagerly anyway), ``predictor: previous``. The requests go
+attention backend, ``--sampling-backend pytorch`` (the gpu-host kit's settings), ``predictor:
+previous``, the decode node's ``pd_read_mode`` from ``--pd-read-mode`` (``deferred``, the default:
+no host read inside a predicted step; ``wait``: one per layer), no CUDA graphs on either node (the
+plugin keeps them off on a PD decode node until they are validated on a GPU). The requests go
 to both servers at once with one bootstrap room each, as sglang-router sends them (the router is
 not needed to measure what crosses). Reported from the decode node's ``OasisKV PD`` lines: MiB at
 admission against a full transfer, MiB read on demand, the request's sparse-layer KV held in the
 decode node's host tier against a whole allocation (on a GPU the tier is page-locked whole: that
-figure is what an on-demand tier would hold, not memory saved); and the wall time of each request.
+figure is what an on-demand tier would hold, not memory saved); the wall time of each request;
+and the decode node's speed from SGLang's ``Decode batch`` lines (``gen throughput``, ``cuda
+graph``) at the most requests running.
 Exit status 1 when no request was admitted or one failed on either node.
 Writes ``<out>/pd_gpu.json``, ``<out>/pd_gpu.md`` and both servers' logs.
 """
@@ -34,14 +38,28 @@ RELEASED = re.compile(r"OasisKV PD: released request (\S+): its sparse layers' K
                       r".* vs ([\d.]+) MiB allocated whole \((?:([\d.]+)x less|none held)\); host tier resident "
                       r"([\d.]+ MiB|-)")
 READ = re.compile(r"read on demand so far: ([\d.]+) MiB in (\d+) NIXL reads")
+DECODE = re.compile(r"Decode batch.*?#running-req: (\d+).*?cuda graph: (\w+).*?gen throughput \(token/s\): ([\d.]+)")
+
+
+def decode_speed(log: str) -> dict:
+    """SGLang's decode lines at the most requests running: median ``gen throughput`` (tok/s),
+    lines, and how many of them ran CUDA graphs."""
+    rows = [(int(n), g == "True", float(t)) for n, g, t in DECODE.findall(log)]
+    if not rows:
+        return {"running": 0, "lines": 0, "tok_s_median": None, "cuda_graph_lines": 0}
+    most = max(r[0] for r in rows)
+    at = sorted(r[2] for r in rows if r[0] == most)
+    return {"running": most, "lines": len(at), "tok_s_median": at[len(at) // 2], "tok_s_max": at[-1],
+            "cuda_graph_lines": sum(1 for r in rows if r[0] == most and r[1])}
 
 
 def server_args(a, mode: str, bootstrap: int) -> list[str]:
-    cfg = {"budget_tokens": a.budget, "kernels": "triton", "predictor": "previous"}
+    cfg = {"budget_tokens": a.budget, "kernels": "triton", "predictor": "previous", "pd_read_mode": a.pd_read_mode}
     args = ["--load-format", "dummy", "--attention-backend", "triton", "--sampling-backend", "pytorch",
             "--mem-fraction-static", str(a.mem_fraction), "--max-running-requests", str(a.requests),
             "--max-total-tokens", str(a.requests * (a.input_len + a.output_len + 64) + 4096),
             "--context-length", str(a.input_len + a.output_len + 64), "--log-level", "info",
+            "--decode-log-interval", "16",
             "--disable-cuda-graph", "--kv-sparse", "oasis", "--kv-sparse-config", json.dumps(cfg),
             "--disaggregation-mode", mode, "--disaggregation-transfer-backend", "nixl"]
     if mode == "prefill":
@@ -73,6 +91,8 @@ def main(argv=None) -> int:
     ap.add_argument("--requests", type=int, default=2)
     ap.add_argument("--budget", type=int, default=2048)
     ap.add_argument("--mem-fraction", type=float, default=0.4, help="--mem-fraction-static of each server")
+    ap.add_argument("--pd-read-mode", choices=("deferred", "wait"), default="deferred",
+                    help="the decode node's pd_read_mode (deferred: reads between steps; wait: in each layer)")
     ap.add_argument("--out", default="out/pd_gpu")
     a = ap.parse_args(argv)
     for name in ("input_len", "output_len", "requests", "budget"):
@@ -109,8 +129,9 @@ def main(argv=None) -> int:
     reads = READ.findall(dlog)
     adm = [x for x in adm if int(x["prompt_tokens"]) >= a.input_len]
     rel = [x for x in rel if float(x["whole_mib"]) > 0 and x["rid"] in {y["rid"] for y in adm}]
+    speed = decode_speed(dlog)
     res = {"args": vars(a), "requests": results, "wall_s": wall, "admitted": adm, "released": rel,
-           "read_on_demand_last": reads[-1] if reads else None}
+           "read_on_demand_last": reads[-1] if reads else None, "decode_speed": speed}
     (out / "pd_gpu.json").write_text(json.dumps(res, indent=1))
     lines = ["| request | prompt tokens | MiB at admission | MiB full transfer | less | host-tier MiB held | "
              "MiB allocated whole | less |", "|---|---|---|---|---|---|---|---|"]
@@ -120,6 +141,7 @@ def main(argv=None) -> int:
         lines.append(f"| {x['rid'][:8]} | {x['prompt_tokens']} | {x['admission_mib']} | {x['full_mib']} | {x['less']}x | "
                      f"{r.get('held_mib', '-')} | {r.get('whole_mib', '-')} | {r.get('less', '-')}x |")
     lines.append(f"\nrequests: {results}; wall {wall:.1f} s; read on demand (cumulative, last line): {res['read_on_demand_last']}")
+    lines.append(f"decode node (pd_read_mode {a.pd_read_mode}): {speed}")
     (out / "pd_gpu.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     ok = adm and all(r["decode_status"] == 200 and r["prefill_status"] == 200 for r in results)

@@ -37,6 +37,8 @@ def test_frozen():
     ('{"budget_tokens": 48, "sink_blocks": 1, "recent_blocks": 2}', "budget_tokens"),
     ('{"kernels": "cuda"}', "kernels"),
     ('{"kernels": null}', "kernels"),
+    ('{"pd_read_mode": "async"}', "pd_read_mode"),
+    ('{"pd_read_mode": null}', "pd_read_mode"),
     ('{"budget_tokens": 512, "budget_tokens": 1024}', "'budget_tokens' is given twice"),
     ('{"dense_layers": [-1]}', r"got \[-1\]"),
 ])

@@ -224,17 +224,29 @@ class OasisSparseKV:
 
     def attach_remote(self, remote: RemoteBlocks | None) -> None:
         """PD decode node: read host-tier pieces admitted from a prefill node on demand
-        (``core/remote.py``); ``None`` detaches. The transfer stage then reads the plan on the
-        host, so decode steps run eagerly (no CUDA-graph capture).
+        (``core/remote.py``); ``None`` detaches. With ``pd_read_mode: deferred`` pipelined plans
+        leave out blocks not read yet and each decode step starts by reading them
+        (``RemoteBlocks.service``), so captured steps read nothing on the host; with ``wait``
+        the transfer stage reads the plan on the host (decode steps run eagerly).
 
         Raises:
-            ValueError: ``remote`` sized for another host tier (layers, KV heads or pages).
+            ValueError: ``remote`` sized for another host tier (layers, KV heads or pages), or
+                keeping its device state on another device than this engine's.
         """
         if remote is not None and (remote.L, remote.H, remote.P) != (
                 len(self.sparse_layers), self.head_num, self.host.num_pages):
             raise ValueError(f"attach_remote: RemoteBlocks for {(remote.L, remote.H, remote.P)} (layers, KV heads, "
                              f"pages); this engine has {(len(self.sparse_layers), self.head_num, self.host.num_pages)}")
+        if remote is not None and remote.device.type != self.device.type:
+            raise ValueError(f"attach_remote: RemoteBlocks on {remote.device}; this engine runs on {self.device}")
         self.stages.remote = remote
+
+    def _service_remote(self) -> None:
+        """Start of a step on a PD decode node that defers reads: after the plans queued by the
+        last step, read the blocks they left out (``RemoteBlocks.service``)."""
+        if self.stages.defers_reads:
+            self.pipe.join()
+            self.stages.remote.service()
 
     def install_working_set(self, row: int, ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             seq_next: int) -> None:
@@ -476,6 +488,7 @@ class OasisSparseKV:
         if mode is StepMode.CAPTURE or B == 0:
             return step
         self._note_forward_stream()
+        self._service_remote()
         self._host_steps += 1
         step.timed = self.last_step_timed = self.device.type == "cuda"    # the stage streams exist on CUDA only
         s = self.stats
@@ -514,6 +527,7 @@ class OasisSparseKV:
         rows_l, seq_l = host_lists(rows_host, seq_lens_host, "begin_decode_step (replay)", self.ws.R, width)
         self._note_forward_stream()               # the replay runs on the caller's stream
         self.pipe.join()
+        self._service_remote()
         self.pipe.forget_waits()                  # exposed waits are timed on eager steps only
         self.last_step_timed = False
         self._host_steps += 1

@@ -8,9 +8,22 @@ reads the pieces that are not here yet from their peer (one read per (sparse lay
 holding every request's pieces) into the same place of this node's host tier, where they stay
 (the host tier is the decode node's cache of fetched blocks).
 
-Rule for a piece that cannot arrive: the step waits for the read (its deadline is the
-fetcher's); a peer that fails a read is marked lost, its pieces are skipped from then on (the
-working set keeps what it had), and the requests on its pages are reported by
+When a read is made (``OasisConfig.pd_read_mode``):
+
+- ``deferred`` (default) for a predicted step planned by the pipeline: the plan leaves out each
+  wanted block not here yet (``filter_planned``: the working set keeps what it had for that
+  step) and counts it on the device; ``service``, at the next step's start, starts the reads of
+  every such piece of every layer and request (one read per (layer, peer); ``post``) and
+  returns; a later ``service`` sees them ended and marks the pieces present, so the next plan
+  can admit them. No host read inside a step (a CUDA graph could capture it) and no wait for the
+  network: a block arrives two or more steps after the plan that first wanted it. Blocks a step
+  starts empty (its new token is their first) are never left out.
+- ``wait``, and a synchronous step (a request's first step after admission selects with its
+  own query): ``ensure_local`` in the transfer stage reads the plan's missing pieces before
+  copying them (a host read of the plan per layer; outputs equal colocated decoding).
+
+A read that fails (its deadline is the fetcher's) marks its peer lost; its pieces are skipped
+from then on (the working set keeps what it had), and the requests on its pages are reported by
 ``failed_pages`` so the serving glue ends them with an error while the batch's other requests
 go on.
 
@@ -20,12 +33,17 @@ serving).
 
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 import torch
 
 # fetch(peer, layer, heads [N], src_pages [N], dst_pages [N]) -> bytes read; raises on a lost peer
 FetchFn = Callable[[str, int, torch.Tensor, torch.Tensor, torch.Tensor], int]
+# post(the same) -> a pending read (or None: nothing to read), without waiting; raises on a lost peer
+PostFn = Callable[[str, int, torch.Tensor, torch.Tensor, torch.Tensor], object]
+# poll(pending) -> True once its pieces are here; raises on a lost peer
+PollFn = Callable[[object], bool]
 
 
 class RemoteBlocks:
@@ -35,15 +53,35 @@ class RemoteBlocks:
     Args:
         num_layers: sparse layers ``L``. head_num: KV heads ``H``. num_pages: host-tier pages ``P``.
         fetch: reads pieces from a peer (``FetchFn``); its exceptions mark the peer lost.
-    State (CPU tensors): ``present [L, H, P]`` bool (every piece of a page not admitted from a
+        device: the engine's device (default CPU): where ``present_dev`` and ``deferred`` live.
+        post, poll: start a read without waiting and ask whether it ended (``PostFn``,
+            ``PollFn``; ``disagg.transport.RemoteBlockFetcher.post`` / ``poll``): ``service``
+            then starts the reads and returns, and a later ``service`` marks them present
+            (``None``: ``service`` reads with ``fetch`` and waits).
+    State: CPU tensors ``present [L, H, P]`` bool (every piece of a page not admitted from a
     peer is present: written here), ``peer [P]`` int32 index into ``peer_names`` or -1,
-    ``src_page [P]`` int64.
+    ``src_page [P]`` int64; on ``device``: ``present_dev [L, H, P]`` bool (``present``'s copy
+    the plans read; the same tensor on CPU) and ``deferred [L, H, P]`` int32 (how often a plan
+    left the piece out since the last ``service``); ``inflight [L, H, P]`` bool (CPU) the pieces
+    of reads started and not yet seen ended.
     """
 
-    def __init__(self, num_layers: int, head_num: int, num_pages: int, fetch: FetchFn):
+    def __init__(self, num_layers: int, head_num: int, num_pages: int, fetch: FetchFn, device=None,
+                 post: PostFn | None = None, poll: PollFn | None = None):
         self.L, self.H, self.P = num_layers, head_num, num_pages
         self.fetch = fetch
         self.present = torch.ones((num_layers, head_num, num_pages), dtype=torch.bool)
+        self.device = torch.device("cpu") if device is None else torch.device(device)
+        cpu = self.device.type == "cpu"
+        self.present_dev = self.present if cpu else self.present.to(self.device)
+        self.deferred = torch.zeros((num_layers, head_num, num_pages), dtype=torch.int32, device=self.device)
+        self.deferred_pieces = 0        # pieces read by ``service`` (a plan had left them out)
+        self.deferred_bytes = 0
+        if (post is None) != (poll is None):
+            raise ValueError("RemoteBlocks: post and poll go together")
+        self.post, self.poll = post, poll
+        self.inflight = torch.zeros((num_layers, head_num, num_pages), dtype=torch.bool)
+        self.pending: list[tuple[int, str, torch.Tensor, torch.Tensor, object]] = []   # (layer, peer, h, p, read)
         self.peer = torch.full((num_pages,), -1, dtype=torch.int32)
         self.src_page = torch.full((num_pages,), -1, dtype=torch.int64)
         self.peer_names: list[str] = []
@@ -79,13 +117,27 @@ class RemoteBlocks:
         self.peer[pages] = self._peer_index(peer)
         self.src_page[pages] = src_pages
         self.present[:, :, pages] = False if present is None else present.to(torch.bool).cpu()
+        self._mirror(pages)
+
+    def _mirror(self, pages: torch.Tensor) -> None:
+        """Copy ``present`` of ``pages`` to the device and drop their deferred counts (the pages
+        changed hands: a count of their previous request must not trigger a read)."""
+        pd = pages.to(self.device)
+        if self.present_dev is not self.present:
+            self.present_dev[:, :, pd] = self.present[:, :, pages].to(self.device)
+        self.deferred[:, :, pd] = 0
 
     def release(self, pages: torch.Tensor) -> None:
-        """Pages freed (the request ended): they are this node's own again."""
+        """Pages freed (the request ended): they are this node's own again. Waits first for
+        the reads still writing into them (``wait_reads``): a page handed to another request
+        must not receive a late read."""
         pages = torch.as_tensor(pages, dtype=torch.int64).cpu()
+        if self.pending and any(bool(torch.isin(p, pages).any()) for _, _, _, p, _ in self.pending):
+            self.wait_reads()
         self.present[:, :, pages] = True
         self.peer[pages] = -1
         self.src_page[pages] = -1
+        self._mirror(pages)
 
     def missing(self, layer: int) -> int:
         """Pieces of sparse layer ``layer`` not here yet (all requests)."""
@@ -121,9 +173,138 @@ class RemoteBlocks:
                 self.lost[name] = f"{type(e).__name__}: {e}"
                 continue
             self.present[layer, h[sel], p[sel]] = True
+            if self.present_dev is not self.present:
+                self.present_dev[layer, h[sel].to(self.device), p[sel].to(self.device)] = True
             self.pieces_read += int(sel.sum())
         self.bytes_read += n
         return n
+
+    def filter_planned(self, layer: int, rows: torch.Tensor, wanted: torch.Tensor, forced: torch.Tensor,
+                       seq: torch.Tensor, req_to_token: torch.Tensor, block_size: int, ids: torch.Tensor,
+                       fetch_cap: int | None):
+        """``pd_read_mode: deferred``: leave out of a pipelined plan of sparse layer ``layer``
+        every wanted block whose piece is not here yet, and count for the next ``service`` those
+        of them the plan would have admitted (missing from the working set, within the free
+        slots plus ``fetch_cap`` of the head, or forced): reads stay within what ``wait`` reads.
+        Device work only (no host read: a CUDA graph can capture it).
+
+        Args:
+            rows: ``[B]`` request rows. wanted / forced: ``[B, H, K]`` (int64 block ids, -1
+                padded, priority order; bool) from ``select_topk``. seq: ``[B]`` context of the
+                planned step (its new token included): a block starting at ``seq - 1`` or later
+                is admitted empty and never left out. req_to_token: SGLang's ``[R, W]`` table
+                (the block's host page is ``req_to_token[row, block * block_size] //
+                block_size``). ids: ``[R, H, K]`` the layer's block table (working set).
+                fetch_cap: the per-head cap of evicting admissions (``None``: K).
+        Returns:
+            ``(wanted, forced)`` ``[B, H, K]``: the left-out entries ``-1`` / ``False``.
+        Paper: PD integration, remote partial fetching (the rule for a block not arrived in time).
+        """
+        B, H, K = wanted.shape
+        W = req_to_token.shape[1]
+        bs = block_size
+        blk = wanted.clamp(min=0)
+        page = torch.div(req_to_token[rows[:, None, None], (blk * bs).clamp(max=W - 1)].long(), bs,
+                         rounding_mode="floor").clamp(0, self.P - 1)
+        piece = torch.arange(H, device=wanted.device)[None, :, None] * self.P + page         # [B, H, K]
+        absent = (wanted >= 0) & (blk * bs < (seq - 1)[:, None, None]) \
+            & ~self.present_dev[layer].reshape(-1)[piece.reshape(-1)].view(B, H, K)
+        # which of them the capped plan would admit (core.working_set.plan_admissions' ranks)
+        held = ids[rows]
+        missing = (wanted >= 0) & ~((wanted[..., :, None] == held[..., None, :]) & (held >= 0)[..., None, :]).any(-1)
+        rank = missing.long().cumsum(-1) - 1
+        limit = (held < 0).sum(-1, keepdim=True) + (K if fetch_cap is None else min(int(fetch_cap), K))
+        read = absent & missing & ((rank < limit) | forced)
+        self.deferred[layer].view(-1).scatter_add_(0, piece.reshape(-1), read.reshape(-1).to(torch.int32))
+        return torch.where(absent, -1, wanted), forced & ~absent
+
+    def service(self) -> int:
+        """Read every piece a plan left out since the last call (``filter_planned``), one read
+        per (layer, peer), and mark it present. Call between steps, after the plans that
+        counted them ran (one device read of ``deferred``). With ``post`` / ``poll`` the reads
+        are only started here; the reads started by earlier calls that ended are marked present
+        first (a piece is admitted from the first plan after that).
+
+        Returns: bytes read (waited) or started (``post``). A lost peer's pieces are skipped.
+        """
+        self._take_ended()
+        idx = torch.nonzero(self.deferred).cpu()           # [M, 3] (layer, head, page)
+        if not idx.numel():
+            return 0
+        self.deferred.zero_()
+        n = 0
+        for li in torch.unique(idx[:, 0]).tolist():
+            sel = idx[idx[:, 0] == li]
+            if self.post is None:
+                before = self.pieces_read
+                got = self.ensure_local(li, sel[:, 1] * self.P + sel[:, 2])
+                self.deferred_pieces += self.pieces_read - before
+                self.deferred_bytes += got
+                n += got
+            else:
+                n += self._start_reads(li, sel[:, 1], sel[:, 2])
+        return n
+
+    def _start_reads(self, layer: int, h: torch.Tensor, p: torch.Tensor) -> int:
+        """``post`` the reads of pieces ``(h[i], p[i])`` of ``layer`` not here, not in flight,
+        and of a peer not lost (one per peer). Returns bytes started."""
+        keep = ~self.present[layer, h, p] & ~self.inflight[layer, h, p] & (self.peer[p] >= 0)
+        h, p = h[keep], p[keep]
+        n = 0
+        owner = self.peer[p]
+        for pi in torch.unique(owner).tolist():
+            name = self.peer_names[pi]
+            if name in self.lost:
+                continue
+            sel = owner == pi
+            try:
+                read = self.post(name, layer, h[sel], self.src_page[p[sel]], p[sel])
+            except Exception as e:  # noqa: BLE001 - any failure of a peer ends its requests, not the step
+                self.lost[name] = f"{type(e).__name__}: {e}"
+                continue
+            if read is None:
+                continue
+            self.inflight[layer, h[sel], p[sel]] = True
+            self.pending.append((layer, name, h[sel], p[sel], read))
+            n += int(getattr(read, "nbytes", 0))
+        return n
+
+    def _take_ended(self, wait: bool = False) -> None:
+        """Mark the pieces of ended reads present (``wait``: poll each until it ends); a failed
+        read marks its peer lost."""
+        left = []
+        for layer, name, h, p, read in self.pending:
+            try:
+                while True:
+                    done = self.poll(read)
+                    if done or not wait:
+                        break
+                    time.sleep(0.0002)
+            except Exception as e:  # noqa: BLE001 - any failure of a peer ends its requests, not the step
+                self.lost[name] = f"{type(e).__name__}: {e}"
+                self.inflight[layer, h, p] = False
+                continue
+            if not done:
+                left.append((layer, name, h, p, read))
+                continue
+            self.inflight[layer, h, p] = False
+            # a page released meanwhile was waited for (release): these pieces are still the request's
+            self.present[layer, h, p] = True
+            if self.present_dev is not self.present:
+                self.present_dev[layer, h.to(self.device), p.to(self.device)] = True
+            k = int(h.numel())
+            nb = int(getattr(read, "nbytes", 0))
+            self.pieces_read += k
+            self.bytes_read += nb
+            self.deferred_pieces += k
+            self.deferred_bytes += nb
+        self.pending = left
+
+    def wait_reads(self) -> None:
+        """Wait for every read started by ``service`` (each ends by its deadline) and mark its
+        pieces present."""
+        if self.pending:
+            self._take_ended(wait=True)
 
     def forget_lost(self, peer: str) -> bool:
         """Take back a lost peer (seen alive again) once none of this node's pages is backed by

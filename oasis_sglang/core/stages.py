@@ -76,15 +76,26 @@ class PrefetchStages:
             wanted, forced = replay_churn(wanted, forced, self.ws.ids[li][rows], churn, seq, salt=li)
         return wanted, forced
 
+    @property
+    def defers_reads(self) -> bool:
+        """A PD decode node whose pipelined plans leave out blocks not read yet
+        (``pd_read_mode: deferred``, ``core/remote.py``)."""
+        return self.remote is not None and self.cfg.pd_read_mode == "deferred"
+
     def select(self, li: int, rows: torch.Tensor, seq: torch.Tensor, rtt: torch.Tensor, wanted: torch.Tensor,
-               forced: torch.Tensor, clock: torch.Tensor):
+               forced: torch.Tensor, clock: torch.Tensor, pipelined: bool = False):
         """Stage (b) (``ops.plan_transfer``) at LRU clock ``clock`` (0-dim int64 device tensor).
+        A ``pipelined`` plan (for the next step) on a node that ``defers_reads`` leaves out the
+        blocks not read yet (``RemoteBlocks.filter_planned``).
 
         Returns:
             The copy lists ``(dst, src, counts)`` of ``ops.plan_transfer``.
         """
         if self.pred_wanted is not None:
             self.pred_wanted[li][rows] = torch.where(forced, -1, wanted)
+        if pipelined and self.defers_reads:
+            wanted, forced = self.remote.filter_planned(li, rows, wanted, forced, seq, rtt, self.cfg.block_size,
+                                                        self.ws.ids[li], self.cfg.fetch_cap)
         allow = None
         if self.budget is not None and self.budget.enabled:
             cand = self.ops.budget_candidates(self.ws.ids[li], rows, wanted, forced, self.cfg.fetch_cap)
@@ -93,16 +104,17 @@ class PrefetchStages:
                                       self.cfg.fetch_cap, seq, rtt, self.cfg.block_size, self.host.num_pages,
                                       self.counters[li], skip_row=self.padding_row, allow=allow)
 
-    def transfer(self, li: int, plan) -> None:
+    def transfer(self, li: int, plan, pipelined: bool = False) -> None:
         """Stage (c), H2D: the working-set pieces of ``plan = (dst, src, counts)`` from the host
         tier (nothing under ``BenchHooks.skip_admission_copy``). On a PD decode node
         (``remote`` set) the pieces not in this node's host tier are read from their peer first
-        (a host read of the plan: not for CUDA-graph capture)."""
+        (a host read of the plan: not for CUDA-graph capture), except in a ``pipelined`` plan
+        of a node that ``defers_reads`` (it holds only pieces already here)."""
         if self.bench.skip_admission_copy:
             return
         bs, D, Dv = self.cfg.block_size, self.host.head_dim, self.host.v_head_dim
         dst, src, counts = plan
-        if self.remote is not None:      # PD decode node: read the pieces not here yet from their peer first
+        if self.remote is not None and not (pipelined and self.defers_reads):   # read what is not here yet first
             self.remote.ensure_local(li, src.reshape(-1)[dst.reshape(-1) >= 0])
         self.ops.copy_blocks(self.ws.k[li].view(-1, bs * D), self.ws.v[li].view(-1, bs * Dv), dst.reshape(-1),
                              self.host.k[li].view(-1, bs * D), self.host.v[li].view(-1, bs * Dv), src.reshape(-1),
@@ -126,8 +138,8 @@ class PrefetchStages:
             self.record.mark(rows, seq_next)      # on the compute stream, read by the next step's check
         self.pipe.launch(li, (
             lambda _: self.predict(li, q, rows, seq_next, rtt, nb_max_next),
-            lambda wf: self.select(li, rows, seq_next, rtt, wf[0], wf[1], clock_next),
-            lambda plan: self.transfer(li, plan),
+            lambda wf: self.select(li, rows, seq_next, rtt, wf[0], wf[1], clock_next, pipelined=True),
+            lambda plan: self.transfer(li, plan, pipelined=True),
         ), keep=(q, rows, seq_next, rtt, clock_next))
 
     def measure(self, li: int, q: torch.Tensor, rows: torch.Tensor, seq: torch.Tensor, rtt: torch.Tensor,

@@ -202,8 +202,11 @@ def handle_kv_sparse_args(args) -> OasisConfig:
     _overlap_args(args, bool(spec), cpu)
     _cuda_graph_args(args, cpu)
     if pd == "decode" and not args.disable_cuda_graph:
-        # the decode node reads blocks from its prefill node on the host inside the step
-        logger.info("OasisKV PD: disabling CUDA graphs on the decode node (blocks are read on demand over NIXL)")
+        # pd_read_mode wait reads blocks from the prefill node on the host inside the step; deferred
+        # reads nothing inside a predicted step (capturable), but a PD decode node has not yet run
+        # CUDA graphs on a GPU (no device time left when it was built): eager until measured
+        logger.info("OasisKV PD: disabling CUDA graphs on the decode node (pd_read_mode %s; PD decode with CUDA "
+                    "graphs is not validated on a GPU yet)", cfg.pd_read_mode)
         args.disable_cuda_graph = True
     args.kv_sparse_config = cfg.to_json()
     logger.info("OasisKV enabled: %s", args.kv_sparse_config)

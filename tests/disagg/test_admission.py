@@ -3,7 +3,9 @@
 A request is prefilled on one engine (the prefill node), admitted on another with only its
 summaries and first-step working set (the decode node), and decoded there while the blocks it
 lacks are READ from the prefill engine's host tier. Its outputs must equal decoding on the
-prefill engine itself (colocated), bit for bit, at a budget far below the context."""
+prefill engine itself (colocated), bit for bit, at a budget far below the context, when each
+layer waits for its reads (``pd_read_mode: wait``); with the default ``deferred`` the reads are
+made between steps only, and a block is never copied into the working set before it was read."""
 
 import dataclasses
 
@@ -22,9 +24,9 @@ from oasis_sglang.disagg.transport import NixlTier, RemoteBlockFetcher  # noqa: 
 LAYERS, H, HQ, D, BS, ROWS, TOKENS = 4, 3, 9, 16, 4, 4, 1024
 
 
-def engine(budget=24, predictor="previous"):
+def engine(budget=24, predictor="previous", pd_read_mode="deferred"):
     cfg = OasisConfig(budget_tokens=budget, block_size=BS, sink_blocks=1, recent_blocks=2, dense_layers=(0,),
-                      fetch_cap=2, predictor=predictor)
+                      fetch_cap=2, predictor=predictor, pd_read_mode=pd_read_mode)
     return OasisSparseKV(cfg, LAYERS, TOKENS, ROWS, H, D, D, torch.float32, "cpu")
 
 
@@ -54,19 +56,22 @@ def decode(eng, rows, rt, K, V, Q, t):
 
 
 @pytest.fixture
-def nodes(seed):
-    pf, dc = engine(), engine()
+def nodes(seed, request):
+    mode, budget, start_only = (tuple(getattr(request, "param", ())) + ("deferred", 24, False)[len(getattr(request, "param", ())):])
+    pf, dc = engine(budget), engine(budget, pd_read_mode=mode)
     npf = NixlTier(pf.host.k, pf.host.v, f"prefill-{seed}")
     ndc = NixlTier(dc.host.k, dc.host.v, f"decode-{seed}")
     fetcher = RemoteBlockFetcher(ndc, timeout_s=10)
     peer = fetcher.add_peer(npf.layout())
-    remote = RemoteBlocks(len(dc.sparse_layers), H, dc.host.num_pages, fetcher.fetch)
+    remote = RemoteBlocks(len(dc.sparse_layers), H, dc.host.num_pages, fetcher.fetch,
+                          **(dict(post=fetcher.post, poll=fetcher.poll) if start_only else {}))
     dc.attach_remote(remote)
     yield pf, dc, remote, fetcher, peer, npf
     ndc.close()
     npf.close()
 
 
+@pytest.mark.parametrize("nodes", [("wait", 24)], indirect=True)
 @pytest.mark.parametrize("prompt", [61, 64])
 def test_pd_decode_equals_colocated_decode(nodes, prompt):
     """Summaries sent exact (``summary_dtype=None``): the same blocks are selected on both nodes."""
@@ -91,6 +96,87 @@ def test_pd_decode_equals_colocated_decode(nodes, prompt):
     assert not remote.lost and not remote.failed_pages().numel()
 
 
+def _resident_is_true_kv(eng, row, K, V, t):
+    """Every block in ``row``'s working set holds the request's true K/V (tokens before ``t``)."""
+    for i, layer in enumerate(eng.sparse_layers):
+        ids = eng.ws.ids[i][row]                                   # [H, slots]
+        for h, slot in torch.nonzero(ids >= 0).tolist():
+            b = int(ids[h, slot])
+            n = min(BS, t - b * BS)
+            if n <= 0:
+                continue
+            assert torch.equal(eng.ws.k[i][row, h, slot, :n], K[layer, b * BS:b * BS + n, h]), (layer, h, b)
+            assert torch.equal(eng.ws.v[i][row, h, slot, :n], V[layer, b * BS:b * BS + n, h]), (layer, h, b)
+
+
+@pytest.mark.parametrize("nodes,covers", [(("deferred", 24), False), (("deferred", 96), True),
+                                          (("deferred", 24, True), False), (("deferred", 96, True), True)],
+                         indirect=["nodes"], ids=["waited", "waited-covering", "started", "started-covering"])
+def test_deferred_reads_are_made_between_steps(nodes, covers):
+    """``pd_read_mode: deferred``: after the first step (synchronous: it reads what it selects),
+    NIXL reads happen only at a step's start (``RemoteBlocks.service``), never inside a layer; a
+    block a plan left out is never copied before it was read (the working set holds only true
+    K/V); each left-out piece is read. "started" (the serving set-up: ``post`` / ``poll``): the
+    reads are started at a step's start and not waited for; their pieces become present at a
+    later step's start. With a budget covering the context nothing is left out and the outputs
+    equal colocated decoding."""
+    pf, dc, remote, fetcher, peer, _ = nodes
+    prompt, steps = 61, 24
+    n = prompt + steps
+    K, V, Q = torch.randn(LAYERS, n, H, D), torch.randn(LAYERS, n, H, D), torch.randn(LAYERS, n, HQ, D)
+    rt_p = torch.zeros(ROWS, 256, dtype=torch.int32)
+    rt_d = torch.zeros(ROWS, 256, dtype=torch.int32)
+    rt_p[1, :n], rt_d[2, :n] = locs(n), locs(n)
+    prefill(pf, 1, rt_p, K, V, Q, prompt)
+    apply_admission(dc, remote, build_admission(pf, 1, rt_p[1], prompt, summary_dtype=None), peer, 2, rt_d[2])
+    phase, calls = ["admitted"], []
+    fetch, post = remote.fetch, remote.post
+    remote.fetch = lambda *a: (calls.append(phase[0]), fetch(*a))[1]
+    in_flight_after_start = []
+    if post is not None:
+        def post_marked(*a):
+            calls.append(phase[0])
+            read = post(*a)
+            in_flight_after_start.append(not bool(remote.present[a[1], a[2], a[4]].any()))
+            return read
+        remote.post = post_marked
+    begin = dc.begin_decode_step
+
+    def begin_marked(*a, **k):
+        phase[0] = "start"
+        out = begin(*a, **k)
+        phase[0] = "layers"
+        return out
+
+    dc.begin_decode_step = begin_marked
+    equal, pending = [], []
+    for t in range(prompt, n):
+        want = decode(pf, 1, rt_p, K, V, Q, t)
+        got = decode(dc, 2, rt_d, K, V, Q, t)
+        equal.append(torch.equal(got, want))
+        pending.append(len(remote.pending))
+        _resident_is_true_kv(dc, 2, K, V, t + 1)
+        if t == prompt:
+            assert equal[0], "the first step waits for its reads"
+            calls.clear()
+    assert "layers" not in calls, "a NIXL read inside a predicted step"
+    if covers:
+        assert all(equal) and remote.deferred_pieces == 0
+    else:
+        assert calls, "no block was left out of a plan at budget 24"
+        remote.service()                                 # the last plan's, read at the next step's start
+        assert int(remote.deferred.sum()) == 0
+        if post is not None:
+            assert in_flight_after_start and all(in_flight_after_start), "a started read was waited for"
+            assert max(pending) > 0, "no read was still in flight after its step's start"
+            remote.wait_reads()
+            assert not remote.pending and not bool(remote.inflight.any())
+        assert remote.deferred_pieces > 0 and remote.deferred_bytes > 0
+    assert not remote.lost
+
+
+@pytest.mark.parametrize("nodes", [("deferred", 24, False), ("deferred", 24, True), ("wait", 24, False)],
+                         indirect=True, ids=["waited", "started", "wait"])
 def test_lost_peer_fails_its_pages_and_the_step_goes_on(nodes):
     """The prefill node disappears from NIXL mid-decode: the step completes, the admitted
     request's pages are reported failed (the glue ends it), and a request of the decode node's

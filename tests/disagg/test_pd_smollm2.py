@@ -15,7 +15,7 @@ from pd_admission import record  # noqa: E402
 from oasis_sglang.config import OasisConfig  # noqa: E402
 from oasis_sglang.disagg.measure import measure_admission  # noqa: E402
 
-CFG = OasisConfig(budget_tokens=512, block_size=8, predictor="previous")
+CFG = OasisConfig(budget_tokens=512, block_size=8, predictor="previous", pd_read_mode="wait")   # bitwise == colocated
 
 
 @pytest.fixture(scope="module")

@@ -32,8 +32,9 @@ def sglang_transfer(pf, dc, dc_pool, src_pages, dst_pages):
         t[dst_pages] = src_pages
 
 
-def make_sides(budget):
-    pf, dc = engine(budget=budget), engine(budget=budget)
+def make_sides(budget, pd_read_mode="wait"):
+    """wait: the decode node's outputs equal the prefill node decoding the request itself."""
+    pf, dc = engine(budget=budget), engine(budget=budget, pd_read_mode=pd_read_mode)
     ps = PrefillSide(pf, lease_s=600)
     dpool = pool_of(dc)
     ds = DecodeSide(dc, dpool, read_timeout_s=5)
