@@ -34,13 +34,18 @@ def measure_admission(kv: dict, queries: dict, sim_prefix: int, cfg: OasisConfig
         queries: ``{sparse layer: [N, Hq, D]}`` queries of positions ``sim_prefix .. sim_prefix+N-1``.
         sim_prefix: the recording's prefix; the prompt here is ``P = sim_prefix + 1`` tokens (its
             last token's query is ``queries[l][0]``) and decode steps are positions ``P .. T-1``.
-        cfg: the OasisKV config of both nodes (an asynchronous predictor).
+        cfg: the OasisKV config of both nodes (an asynchronous predictor; its ``pd_read_mode``
+            decides how the decode node reads: ``deferred`` starts reads between steps as
+            serving does, ``post`` / ``poll``).
         decode_steps: at most this many decode steps (default all).
     Returns: a dict of byte counts (``packet``, ``dense_layers``, ``admission`` = their sum,
         ``full``, ``ratio`` = full / admission, ``fetched``, ``decode_host_pieces`` and
         ``request_pieces``: (layer, KV head, block) pieces of the request's prompt holding data on
         the decode node after the steps, of all), ``steps``, ``remote_reads`` (NIXL transfers),
-        ``max_abs_diff`` and ``equal`` of the PD outputs against colocated decode.
+        ``max_abs_diff`` and ``equal`` of the PD outputs against colocated decode,
+        ``rel_err_mean`` / ``rel_err_max`` (per step ``||pd - colocated|| / ||colocated||`` over
+        the sparse layers' outputs), ``steps_equal`` (steps with bitwise equal outputs) and
+        ``deferred_pieces`` (pieces a plan left out first: ``RemoteBlocks.deferred_pieces``).
     """
     sparse = [i for i in range(num_layers) if i not in cfg.dense_layers]
     k0, v0 = kv[sparse[0]]
@@ -59,7 +64,7 @@ def measure_admission(kv: dict, queries: dict, sim_prefix: int, cfg: OasisConfig
     try:
         fetcher = RemoteBlockFetcher(ndc)
         peer = fetcher.add_peer(npf.layout())
-        remote = RemoteBlocks(len(sparse), H, dc.host.num_pages, fetcher.fetch)
+        remote = RemoteBlocks(len(sparse), H, dc.host.num_pages, fetcher.fetch, post=fetcher.post, poll=fetcher.poll)
         dc.attach_remote(remote)
         W = -(-T // bs) * bs
         pages = tokens // bs
@@ -76,7 +81,7 @@ def measure_admission(kv: dict, queries: dict, sim_prefix: int, cfg: OasisConfig
                                 rt_p, None)
         packet = build_admission(pf, 0, rt_p[0], P, summary_dtype=summary_dtype)
         apply_admission(dc, remote, packet, peer, 1, rt_d[1])
-        diff, equal = 0.0, True
+        diff, equal, rel = 0.0, True, []
         for i in range(1, n + 1):
             t = P - 1 + i                                                            # position of this step's token
             outs = []
@@ -90,7 +95,9 @@ def measure_admission(kv: dict, queries: dict, sim_prefix: int, cfg: OasisConfig
                     o.append(eng.decode_attention(li, queries[li][i:i + 1], kt, vt, None))
                 outs.append(torch.stack(o))
             diff = max(diff, float((outs[0] - outs[1]).abs().max()))
+            rel.append(float((outs[1] - outs[0]).norm() / outs[0].norm().clamp(min=1e-30)))
             equal = equal and torch.equal(outs[0], outs[1])
+        remote.wait_reads()
         L, Np = len(sparse), packet.src_pages.numel()
         es = k0.element_size()
         dense_bytes = full_transfer_bytes(P, len(cfg.dense_layers), H, D, Dv, es)
@@ -102,6 +109,8 @@ def measure_admission(kv: dict, queries: dict, sim_prefix: int, cfg: OasisConfig
             "fetched": remote.bytes_read, "remote_reads": fetcher.stats.transfers,
             "decode_host_pieces": held, "request_pieces": L * H * Np,
             "max_abs_diff": diff, "equal": equal, "lost": dict(remote.lost),
+            "rel_err_mean": sum(rel) / max(1, len(rel)), "rel_err_max": max(rel, default=0.0),
+            "steps_equal": sum(1 for x in rel if x == 0), "deferred_pieces": remote.deferred_pieces,
         }
     finally:
         ndc.close()

@@ -431,6 +431,7 @@ class DecodeSide:
             others = [a.pages for r, a in self.rows.items() if r != int(row)]
             if others:           # never give back a block another admitted request holds
                 pages = pages[~torch.isin(pages, torch.cat(others))]
+            self.remote.wait_reads_into(pages)         # no read may land in memory given back
             held = self.held_bytes(row, pages, tokens)
             self.engine.host.discard(self._with_free_neighbours(pages))
             if adm is not None:

@@ -33,12 +33,12 @@ class PeerLostError(RuntimeError):
     ``NIXL_ERR_REMOTE_DISCONNECT`` after the prefill process died), or the transfer did not end
     within its deadline (a stopped peer over TCP leaves a READ in progress forever).
 
-    Attributes: ``peer`` (the agent name).
+    Attributes: ``peer`` (the agent name), ``why``.
     """
 
     def __init__(self, peer: str, why: str):
         super().__init__(f"OasisKV PD: peer {peer!r}: {why}")
-        self.peer = peer
+        self.peer, self.why = peer, why
 
 
 @dataclass(frozen=True)
@@ -259,6 +259,8 @@ class RemoteBlockFetcher:
         """Whether the READ ``p`` (from ``post``) ended; on True its pieces are here and the
         counters include it. Raises PeerLostError when NIXL failed it or its deadline passed
         (its handle is then released; the destination pieces are undefined)."""
+        if p.failed is not None:
+            raise PeerLostError(p.peer, p.failed)
         if p.handle is None:
             return True
         ag = self.local.agent
@@ -266,18 +268,21 @@ class RemoteBlockFetcher:
             state = p.state if p.state != _PROC else ag.check_xfer_state(p.handle)
             if state == _PROC and time.monotonic() > p.t_end:
                 raise PeerLostError(p.peer, f"a READ of {p.pieces} pieces did not end in time")
-        except PeerLostError:
+        except PeerLostError as e:
             self._release(p)
+            p.failed = e.why
             raise
         except Exception as e:  # noqa: BLE001 - NIXL_ERR_REMOTE_DISCONNECT and the like
             self._release(p)
-            raise PeerLostError(p.peer, f"READ failed: {type(e).__name__}: {e}") from e
+            p.failed = f"READ failed: {type(e).__name__}: {e}"
+            raise PeerLostError(p.peer, p.failed) from e
         p.state = state
         if state == _PROC:
             return False
         self._release(p)
         if state != _DONE:
-            raise PeerLostError(p.peer, f"NIXL ended a READ with state {state}")
+            p.failed = f"NIXL ended a READ with state {state}"
+            raise PeerLostError(p.peer, p.failed)
         self.stats.transfers += 1
         self.stats.pieces += p.pieces
         self.stats.bytes += p.nbytes
@@ -294,10 +299,12 @@ class RemoteBlockFetcher:
 @dataclass
 class PendingRead:
     """A READ started by ``RemoteBlockFetcher.post``: its peer, NIXL handle (``None`` once
-    released), deadline (``time.monotonic()`` seconds), pieces and bytes, last NIXL state."""
+    released), deadline (``time.monotonic()`` seconds), pieces and bytes, last NIXL state, and
+    why it failed (``None``: it did not; a failed read raises again at every ``poll``)."""
     peer: str
     handle: object
     t_end: float
     pieces: int
     nbytes: int
     state: str = _PROC
+    failed: str | None = None

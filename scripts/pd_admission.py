@@ -60,11 +60,13 @@ def main() -> int:
     ap.add_argument("--block-size", type=positive_int, default=8)
     ap.add_argument("--summary-dtype", choices=["bf16", "model"], default="bf16",
                     help="the summaries' dtype at admission (bf16: rounded outward)")
+    ap.add_argument("--pd-read-mode", choices=["wait", "deferred"], default="wait",
+                    help="the decode node's pd_read_mode (wait: outputs == colocated; deferred: serving's default)")
     ap.add_argument("--out", type=Path, default=Path("out/pd_admission"))
     a = ap.parse_args()
     try:
         cfg = OasisConfig(budget_tokens=a.budget, block_size=a.block_size, predictor="previous",
-                          pd_read_mode="wait")      # each step waits for its reads: PD outputs == colocated
+                          pd_read_mode=a.pd_read_mode)
     except OasisConfigError as e:
         ap.error(str(e))
     if a.prompt <= a.budget:
@@ -75,7 +77,8 @@ def main() -> int:
     kv, q, sim_prefix, layers = record(a.prompt, a.decode_steps, a.budget, a.block_size)
     r = measure_admission(kv, q, sim_prefix, cfg, layers,
                           summary_dtype=torch.bfloat16 if a.summary_dtype == "bf16" else None)
-    r.update(budget=a.budget, block_size=a.block_size, summary_dtype=a.summary_dtype, seconds=round(time.time() - t0, 1),
+    r.update(budget=a.budget, block_size=a.block_size, summary_dtype=a.summary_dtype, pd_read_mode=a.pd_read_mode,
+             seconds=round(time.time() - t0, 1),
              date=time.strftime("%Y-%m-%d"))
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "results.json").write_text(json.dumps(r, indent=1))
@@ -88,7 +91,10 @@ def main() -> int:
     print(f"| {mb(r['full'])} | {mb(r['admission'])} | {mb(r['packet'])} | {mb(r['dense_layers'])} | "
           f"**{r['ratio']:.2f}x** | {mb(r['fetched'])} in {r['remote_reads']} reads | "
           f"{r['decode_host_pieces']} / {r['request_pieces']} ({r['decode_host_pieces'] / r['request_pieces']:.1%}) |")
-    print(f"PD decode vs colocated decode: max |diff| {r['max_abs_diff']:.3g}, bitwise equal: {r['equal']}; "
+    print(f"PD decode (pd_read_mode {a.pd_read_mode}) vs colocated decode: max |diff| {r['max_abs_diff']:.3g}, "
+          f"relative error mean {r['rel_err_mean']:.3g} / max {r['rel_err_max']:.3g}, steps bitwise equal "
+          f"{r['steps_equal']} of {r['steps']}, pieces left out of a plan first {r['deferred_pieces']}; "
+          f"bitwise equal: {r['equal']}; "
           f"lost peers: {r['lost'] or 'none'}; {r['seconds']} s; wrote {a.out / 'results.json'}")
     return 0
 

@@ -237,7 +237,9 @@ class OasisSparseKV:
                 len(self.sparse_layers), self.head_num, self.host.num_pages):
             raise ValueError(f"attach_remote: RemoteBlocks for {(remote.L, remote.H, remote.P)} (layers, KV heads, "
                              f"pages); this engine has {(len(self.sparse_layers), self.head_num, self.host.num_pages)}")
-        if remote is not None and remote.device.type != self.device.type:
+        if remote is not None and (remote.device.type != self.device.type or (
+                remote.device.index is not None and self.device.index is not None
+                and remote.device.index != self.device.index)):
             raise ValueError(f"attach_remote: RemoteBlocks on {remote.device}; this engine runs on {self.device}")
         self.stages.remote = remote
 

@@ -114,6 +114,7 @@ class RemoteBlocks:
             raise ValueError(f"admit: present {tuple(present.shape)}: want {(self.L, self.H, pages.numel())}")
         if peer in self.lost:
             raise ValueError(f"admit: peer {peer!r} was lost ({self.lost[peer]})")
+        self.wait_reads_into(pages)          # a read of the pages' previous request must not land later
         self.peer[pages] = self._peer_index(peer)
         self.src_page[pages] = src_pages
         self.present[:, :, pages] = False if present is None else present.to(torch.bool).cpu()
@@ -132,8 +133,7 @@ class RemoteBlocks:
         the reads still writing into them (``wait_reads``): a page handed to another request
         must not receive a late read."""
         pages = torch.as_tensor(pages, dtype=torch.int64).cpu()
-        if self.pending and any(bool(torch.isin(p, pages).any()) for _, _, _, p, _ in self.pending):
-            self.wait_reads()
+        self.wait_reads_into(pages)
         self.present[:, :, pages] = True
         self.peer[pages] = -1
         self.src_page[pages] = -1
@@ -299,6 +299,13 @@ class RemoteBlocks:
             self.deferred_pieces += k
             self.deferred_bytes += nb
         self.pending = left
+
+    def wait_reads_into(self, pages: torch.Tensor) -> None:
+        """``wait_reads`` when a read in flight writes into one of ``pages [N]`` (int64 host
+        pages): call before the pages change hands or their memory is given back."""
+        pages = torch.as_tensor(pages, dtype=torch.int64).cpu()
+        if self.pending and any(bool(torch.isin(p, pages).any()) for _, _, _, p, _ in self.pending):
+            self.wait_reads()
 
     def wait_reads(self) -> None:
         """Wait for every read started by ``service`` (each ends by its deadline) and mark its

@@ -127,3 +127,26 @@ def test_a_killed_peer_is_reported_within_the_deadline(tmp_path, seed):
         nd.close()
     finally:
         proc.kill()
+
+
+def test_post_then_poll_reads_and_a_failed_read_stays_failed(pair, monkeypatch):
+    """``post`` starts a READ and returns; ``poll`` says when its pieces are here (then counted).
+    A read that failed raises again at every later ``poll`` (it never reads as arrived)."""
+    src, dst, ns, f = pair
+    peer = next(iter(f.peers))
+    heads, srcp, dstp = torch.tensor([0, 2]), torch.tensor([5, 7]), torch.tensor([1, 3])
+    p = f.post(peer, 2, heads, srcp, dstp)
+    assert f.post(peer, 2, [], [], []) is None
+    for _ in range(10000):
+        if f.poll(p):
+            break
+        time.sleep(0.001)
+    assert f.poll(p) and f.stats.transfers == 1 and f.stats.bytes == p.nbytes == 2 * 2 * BS * D * 4
+    assert torch.equal(dst.k[2][heads, dstp], src.k[2][heads, srcp])
+    q = f.post(peer, 2, heads, srcp, dstp, timeout_s=1e-9)
+    q.state = "PROC"                                     # as if still in flight past its deadline
+    monkeypatch.setattr(f.local.agent, "check_xfer_state", lambda h: "PROC")
+    for _ in range(2):
+        with pytest.raises(PeerLostError, match="did not end in time"):
+            f.poll(q)
+    assert f.stats.transfers == 1

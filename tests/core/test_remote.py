@@ -1,0 +1,104 @@
+"""core/remote.py RemoteBlocks bookkeeping of reads started between steps (``post`` / ``poll``),
+with a read queue standing in for NIXL (the NIXL path: tests/disagg/test_admission.py): a read of
+a page's previous request never lands after the page changed hands."""
+
+import pytest
+import torch
+
+from oasis_sglang.core.remote import RemoteBlocks
+
+
+class Reads:
+    """Reads that end only when told (a slow network)."""
+
+    def __init__(self):
+        self.started = []
+
+    def post(self, peer, layer, heads, src, dst):
+        r = {"peer": peer, "layer": layer, "src": src.clone(), "dst": dst.clone(), "done": False,
+             "nbytes": 8 * len(heads)}
+        r = type("Read", (), r)()
+        self.started.append(r)
+        return r
+
+    def poll(self, r):
+        return r.done
+
+
+waits_on = [False]
+
+
+def make():
+    reads, waits = Reads(), []
+
+    def poll(r):
+        if waits_on[0] and not r.done:      # wait_reads polls until done
+            waits.append(r)
+            r.done = True
+        return r.done
+    rb = RemoteBlocks(1, 1, 8, fetch=lambda *a: 0, post=reads.post, poll=poll)
+    return rb, reads, waits
+
+
+@pytest.fixture(autouse=True)
+def _reset():
+    waits_on[0] = False
+    yield
+    waits_on[0] = False
+
+
+def test_started_reads_mark_present_only_once_ended():
+    rb, reads, _ = make()
+    rb.admit(torch.tensor([3, 4]), "A", torch.tensor([100, 101]))
+    rb.deferred[0, 0, 3] = 2
+    assert rb.service() == 8 and len(reads.started) == 1
+    assert not rb.present[0, 0, 3] and rb.inflight[0, 0, 3] and int(rb.deferred.sum()) == 0
+    rb.deferred[0, 0, 3] = 1                            # wanted again while in flight: not read twice
+    rb.service()
+    assert len(reads.started) == 1
+    reads.started[0].done = True
+    rb.service()
+    assert rb.present[0, 0, 3] and not rb.inflight[0, 0, 3] and not rb.present[0, 0, 4]
+    assert (rb.deferred_pieces, rb.pieces_read) == (1, 1)
+
+
+@pytest.mark.parametrize("how", ["admit", "release"])
+def test_pages_changing_hands_wait_for_their_reads(how):
+    """A read of request A's page in flight when the page is released or admitted for request B
+    is waited for first, so it cannot mark B's piece present with A's bytes later, and B's own
+    read is started."""
+    rb, reads, waits = make()
+    rb.admit(torch.tensor([3]), "A", torch.tensor([100]))
+    rb.deferred[0, 0, 3] = 1
+    rb.service()
+    waits_on[0] = True
+    if how == "release":
+        rb.release(torch.tensor([3]))
+    rb.admit(torch.tensor([3]), "B", torch.tensor([200]))
+    assert waits == [reads.started[0]] and not rb.pending
+    assert not rb.present[0, 0, 3] and not rb.inflight[0, 0, 3]          # B's piece is not here yet
+    rb.deferred[0, 0, 3] = 1
+    rb.service()
+    assert len(reads.started) == 2 and reads.started[1].peer == "B" and int(reads.started[1].src[0]) == 200
+
+
+def test_a_failed_read_loses_its_peer_and_frees_its_pieces():
+    rb, reads, _ = make()
+    rb.admit(torch.tensor([3]), "A", torch.tensor([100]))
+    rb.deferred[0, 0, 3] = 1
+    rb.service()
+
+    def fail(r):
+        raise RuntimeError("NIXL_ERR_REMOTE_DISCONNECT")
+    rb.poll = fail
+    rb.service()
+    assert "NIXL_ERR_REMOTE_DISCONNECT" in rb.lost["A"] and not rb.pending and not rb.inflight.any()
+    assert rb.failed_pages().tolist() == [3] and not rb.present[0, 0, 3]
+    rb.deferred[0, 0, 3] = 1
+    rb.service()                                       # a lost peer's pieces are not read again
+    assert len(reads.started) == 1
+
+
+def test_post_and_poll_go_together():
+    with pytest.raises(ValueError, match="post and poll"):
+        RemoteBlocks(1, 1, 8, fetch=lambda *a: 0, post=lambda *a: None)
