@@ -88,7 +88,8 @@ class OasisConfig:
             inside a step) or ``"wait"`` (each layer's transfer
             stage reads it before copying: outputs equal colocated decoding, one host read of
             the plan per layer and step). A request's first decode step after admission always
-            waits. Default "deferred".
+            waits, and so does every step with ``predictor: current`` (it selects with its own
+            query). Default "deferred".
         measure_agreement: also score each step's own query and record, per layer, how much of
             its top-K the prediction held (costs the synchronous scoring; measurement only).
             Default false.
