@@ -41,6 +41,19 @@ def prefill(eng, row, rt, K, V, Q, n):
         eng.extend_attention(li, Q[li, :n], torch.tensor([row]), torch.tensor([0]), torch.tensor([n]), rt, None)
 
 
+def prefilled(pf, prompt, steps):
+    """K/V/Q of a request of ``prompt + steps`` tokens, its request tables (row 1 on the prefill
+    engine, row 2 on the decode engine, other pages on each) and its prompt prefilled on ``pf``:
+    ``(K, V, Q, rt_p, rt_d)``."""
+    n = prompt + steps
+    K, V, Q = torch.randn(LAYERS, n, H, D), torch.randn(LAYERS, n, H, D), torch.randn(LAYERS, n, HQ, D)
+    rt_p = torch.zeros(ROWS, 256, dtype=torch.int32)
+    rt_d = torch.zeros(ROWS, 256, dtype=torch.int32)
+    rt_p[1, :n], rt_d[2, :n] = locs(n), locs(n)
+    prefill(pf, 1, rt_p, K, V, Q, prompt)
+    return K, V, Q, rt_p, rt_d
+
+
 def decode(eng, rows, rt, K, V, Q, t):
     """One decode step of ``rows`` (each at position ``t`` of its own K/V/Q): ``[L-1, B, HQ, D]``."""
     rows = [rows] if isinstance(rows, int) else rows
@@ -77,11 +90,7 @@ def test_pd_decode_equals_colocated_decode(nodes, prompt):
     """Summaries sent exact (``summary_dtype=None``): the same blocks are selected on both nodes."""
     pf, dc, remote, fetcher, peer, _ = nodes
     n, steps = prompt + 24, 24
-    K, V, Q = torch.randn(LAYERS, n, H, D), torch.randn(LAYERS, n, H, D), torch.randn(LAYERS, n, HQ, D)
-    rt_p = torch.zeros(ROWS, 256, dtype=torch.int32)
-    rt_d = torch.zeros(ROWS, 256, dtype=torch.int32)
-    rt_p[1, :n], rt_d[2, :n] = locs(n), locs(n)         # other rows and pages on each node
-    prefill(pf, 1, rt_p, K, V, Q, prompt)
+    K, V, Q, rt_p, rt_d = prefilled(pf, prompt, steps)
     packet = build_admission(pf, 1, rt_p[1], prompt, summary_dtype=None)
     apply_admission(dc, remote, packet, peer, 2, rt_d[2])
     N, L, S = -(-prompt // BS), LAYERS - 1, 24 // BS     # pages, sparse layers, slots
@@ -123,11 +132,7 @@ def test_deferred_reads_are_made_between_steps(nodes, covers):
     pf, dc, remote, fetcher, peer, _ = nodes
     prompt, steps = 61, 24
     n = prompt + steps
-    K, V, Q = torch.randn(LAYERS, n, H, D), torch.randn(LAYERS, n, H, D), torch.randn(LAYERS, n, HQ, D)
-    rt_p = torch.zeros(ROWS, 256, dtype=torch.int32)
-    rt_d = torch.zeros(ROWS, 256, dtype=torch.int32)
-    rt_p[1, :n], rt_d[2, :n] = locs(n), locs(n)
-    prefill(pf, 1, rt_p, K, V, Q, prompt)
+    K, V, Q, rt_p, rt_d = prefilled(pf, prompt, steps)
     apply_admission(dc, remote, build_admission(pf, 1, rt_p[1], prompt, summary_dtype=None), peer, 2, rt_d[2])
     phase, calls = ["admitted"], []
     fetch, post = remote.fetch, remote.post

@@ -15,7 +15,7 @@ import torch
 pytest.importorskip("nixl")
 
 from oasis_sglang.disagg.serving import DecodeSide, PrefillSide  # noqa: E402
-from test_admission import BS, H, HQ, LAYERS, ROWS, TOKENS, D, decode, engine, locs, prefill  # noqa: E402
+from test_admission import BS, H, HQ, LAYERS, ROWS, TOKENS, D, decode, engine, locs, prefill, prefilled  # noqa: E402
 
 
 def pool_of(eng):
@@ -57,12 +57,7 @@ def transferred(pf, dc, dpool, prompt, steps):
 
     Returns ``(K, V, Q, rt_p, rt_d, npg, src, dst)``: the request tables, prompt pages and the
     prefill / decode pages of each prompt block."""
-    n = prompt + steps
-    K, V, Q = torch.randn(LAYERS, n, H, D), torch.randn(LAYERS, n, H, D), torch.randn(LAYERS, n, HQ, D)
-    rt_p = torch.zeros(ROWS, 256, dtype=torch.int32)
-    rt_d = torch.zeros(ROWS, 256, dtype=torch.int32)
-    rt_p[1, :n], rt_d[2, :n] = locs(n), locs(n)
-    prefill(pf, 1, rt_p, K, V, Q, prompt)
+    K, V, Q, rt_p, rt_d = prefilled(pf, prompt, steps)
     npg = -(-prompt // BS)
     src = torch.div(rt_p[1, :npg * BS:BS].long(), BS, rounding_mode="floor")
     dst = torch.div(rt_d[2, :npg * BS:BS].long(), BS, rounding_mode="floor")
