@@ -8,8 +8,9 @@ bytes only; the gpu-host kit's Qwen3-8B-shaped dummy) with SGLang's PD mode
 (``--disaggregation-transfer-backend nixl``), ``--mem-fraction-static`` 0.4 each, the triton
 attention backend, ``--sampling-backend pytorch`` (the gpu-host kit's settings), ``predictor:
 previous``, the decode node's ``pd_read_mode`` from ``--pd-read-mode`` (``deferred``, the default:
-no host read inside a predicted step; ``wait``: one per layer), no CUDA graphs on either node (the
-plugin keeps them off on a PD decode node until they are validated on a GPU). The requests go
+no host read inside a predicted step; ``wait``: one per layer). The prefill node runs no CUDA graphs;
+the decode node runs its decode steps in CUDA graphs with ``--cuda-graph`` (``deferred`` only: the
+plugin refuses graphs to a step that reads inside its layers) and eagerly without. The requests go
 to both servers at once with one bootstrap room each, as sglang-router sends them (the router is
 not needed to measure what crosses). Reported from the decode node's ``OasisKV PD`` lines: MiB at
 admission against a full transfer, MiB read on demand, the request's sparse-layer KV held in the
@@ -60,10 +61,14 @@ def server_args(a, mode: str, bootstrap: int) -> list[str]:
             "--max-total-tokens", str(a.requests * (a.input_len + a.output_len + 64) + 4096),
             "--context-length", str(a.input_len + a.output_len + 64), "--log-level", "info",
             "--decode-log-interval", "16",
-            "--disable-cuda-graph", "--kv-sparse", "oasis", "--kv-sparse-config", json.dumps(cfg),
+            "--kv-sparse", "oasis", "--kv-sparse-config", json.dumps(cfg),
             "--disaggregation-mode", mode, "--disaggregation-transfer-backend", "nixl"]
     if mode == "prefill":
         args += ["--disaggregation-bootstrap-port", str(bootstrap)]
+    if mode == "decode" and a.cuda_graph:
+        args += ["--cuda-graph-max-bs", str(max(8, a.requests))]
+    else:
+        args += ["--disable-cuda-graph"]
     return args
 
 
@@ -93,11 +98,15 @@ def main(argv=None) -> int:
     ap.add_argument("--mem-fraction", type=float, default=0.4, help="--mem-fraction-static of each server")
     ap.add_argument("--pd-read-mode", choices=("deferred", "wait"), default="deferred",
                     help="the decode node's pd_read_mode (deferred: reads between steps; wait: in each layer)")
+    ap.add_argument("--cuda-graph", action="store_true",
+                    help="decode node: decode steps in CUDA graphs (needs --pd-read-mode deferred)")
     ap.add_argument("--out", default="out/pd_gpu")
     a = ap.parse_args(argv)
     for name in ("input_len", "output_len", "requests", "budget"):
         if getattr(a, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    if a.cuda_graph and a.pd_read_mode != "deferred":
+        ap.error("--cuda-graph needs --pd-read-mode deferred (with wait the decode node reads inside each layer)")
     if not 0 < a.mem_fraction <= 0.45:
         ap.error("--mem-fraction must be in (0, 0.45]: two servers share the GPU")
     if a.budget > a.input_len + a.output_len + 64:
@@ -130,6 +139,14 @@ def main(argv=None) -> int:
     adm = [x for x in adm if int(x["prompt_tokens"]) >= a.input_len]
     rel = [x for x in rel if float(x["whole_mib"]) > 0 and x["rid"] in {y["rid"] for y in adm}]
     speed = decode_speed(dlog)
+    from oasis_sglang.sglang_glue.log_line import parse_decode_counters
+
+    olines = [ln for ln in dlog.splitlines() if "OasisKV decode:" in ln]
+    if olines:      # the last line's cumulative counters: steps replayed from graphs, synchronous first steps
+        last = parse_decode_counters(olines[-1])
+        m = re.search(r"fallback synchronous steps: (\d+)", olines[-1])
+        speed.update(decode_steps=last["decode_steps"], graph_steps=last["graph_steps"],
+                     sync_steps=int(m.group(1)) if m else None, h2d_mib=last["h2d_mib"])
     res = {"args": vars(a), "requests": results, "wall_s": wall, "admitted": adm, "released": rel,
            "read_on_demand_last": reads[-1] if reads else None, "decode_speed": speed}
     (out / "pd_gpu.json").write_text(json.dumps(res, indent=1))
@@ -141,7 +158,7 @@ def main(argv=None) -> int:
         lines.append(f"| {x['rid'][:8]} | {x['prompt_tokens']} | {x['admission_mib']} | {x['full_mib']} | {x['less']}x | "
                      f"{r.get('held_mib', '-')} | {r.get('whole_mib', '-')} | {r.get('less', '-')}x |")
     lines.append(f"\nrequests: {results}; wall {wall:.1f} s; read on demand (cumulative, last line): {res['read_on_demand_last']}")
-    lines.append(f"decode node (pd_read_mode {a.pd_read_mode}): {speed}")
+    lines.append(f"decode node (pd_read_mode {a.pd_read_mode}, {'CUDA graphs' if a.cuda_graph else 'eager'}): {speed}")
     (out / "pd_gpu.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     ok = adm and all(r["decode_status"] == 200 and r["prefill_status"] == 200 for r in results)

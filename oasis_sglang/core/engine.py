@@ -582,12 +582,16 @@ class OasisSparseKV:
             True when the captured step computes this batch exactly as the eager one would: the
             predictor selects synchronously (``current``), or every row was predicted for
             exactly this context according to the host record. False when the record is not
-            trusted (a prediction came without host rows) or a row was not predicted: the
-            caller then runs the step eagerly, which selects synchronously.
+            trusted (a prediction came without host rows) or a row was not predicted, and on a
+            PD decode node whose steps read from the prefill node inside their layers
+            (``attach_remote`` without ``pd_read_mode: deferred`` and a predictor planning a step
+            ahead): the caller then runs the step eagerly, which selects synchronously.
         """
         if rows_host is None or seq_lens_host is None or len(rows_host) != len(seq_lens_host) \
                 or any(r is None for r in rows_host):
             return False
+        if self.stages.remote is not None and not (self.stages.defers_reads and self.predictor.asynchronous):
+            return False                          # a PD step that reads inside its layers (core/remote.py)
         if not self.predictor.asynchronous:
             return True
         return self.record.can_replay(rows_host, seq_lens_host)

@@ -152,7 +152,7 @@ def handle_kv_sparse_args(args) -> OasisConfig:
                 setattr(args, flag, want)
             elif val != want or type(val) is not int:
                 bad("--" + flag.replace("_", "-"), f"must be {want} (one draft token beside the normal one), got {val!r}")
-    cfg.predictor_for(has_draft=bool(spec), model_free_draft=str(spec).upper() == "NGRAM")   # before loading
+    predictor = cfg.predictor_for(has_draft=bool(spec), model_free_draft=str(spec).upper() == "NGRAM")   # before loading
     if str(getattr(args, "kv_cache_dtype", "auto")) not in KV_CACHE_DTYPES:
         bad("--kv-cache-dtype", f"{args.kv_cache_dtype!r} is not supported with --kv-sparse oasis "
             f"(one of {', '.join(KV_CACHE_DTYPES)})")
@@ -202,15 +202,35 @@ def handle_kv_sparse_args(args) -> OasisConfig:
     _overlap_args(args, bool(spec), cpu)
     _cuda_graph_args(args, cpu)
     if pd == "decode" and not args.disable_cuda_graph:
-        # pd_read_mode wait reads blocks from the prefill node on the host inside the step; deferred
-        # reads nothing inside a predicted step (capturable), but a PD decode node has not yet run
-        # CUDA graphs on a GPU (no device time left when it was built): eager until measured
-        logger.info("OasisKV PD: disabling CUDA graphs on the decode node (pd_read_mode %s; PD decode with CUDA "
-                    "graphs is not validated on a GPU yet)", cfg.pd_read_mode)
-        args.disable_cuda_graph = True
+        why = _pd_decode_graph_blocker(cfg.pd_read_mode, predictor, bool(spec))
+        if why:
+            logger.info("OasisKV PD: disabling CUDA graphs on the decode node (%s)", why)
+            args.disable_cuda_graph = True
+        else:
+            logger.info("OasisKV PD: decode steps in CUDA graphs (pd_read_mode deferred, %s predictor: no read "
+                        "from the prefill node inside a predicted step; a request's first step runs eagerly)",
+                        predictor)
     args.kv_sparse_config = cfg.to_json()
     logger.info("OasisKV enabled: %s", args.kv_sparse_config)
     return cfg
+
+
+def _pd_decode_graph_blocker(read_mode: str, predictor: str, spec: bool) -> str | None:
+    """Why a PD decode node cannot run its decode steps in CUDA graphs, or ``None`` when it can.
+
+    A captured step must not read from the prefill node: only ``pd_read_mode: deferred`` with a
+    predictor that plans a step ahead (``previous``) keeps every read between steps
+    (``core/remote.py``); ``wait`` and ``current`` read inside the layer, on the host. With a draft
+    (EAGLE-3 / lookahead) the paired verify and draft-extend graphs with PD have not run on a GPU.
+    """
+    if read_mode != "deferred":
+        return f"pd_read_mode {read_mode}: blocks are read from the prefill node inside each layer"
+    if predictor == "current":
+        return ("predictor current: each layer selects and reads its blocks in the step itself; "
+                "'previous' plans a step ahead and runs in CUDA graphs")
+    if spec:
+        return "a draft model with PD runs its paired steps eagerly (not validated in CUDA graphs on a GPU)"
+    return None
 
 
 def _pd_args(args, mode: str, spec: bool, bad) -> None:

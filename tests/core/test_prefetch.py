@@ -19,9 +19,9 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 def _engine(budget, predictor, fetch_cap=None, rows=4, device="cpu", measure=False, layers=3, padding_row=None,
-            ops=None):
+            ops=None, pd_read_mode="deferred"):
     cfg = OasisConfig(budget_tokens=budget, block_size=BS, sink_blocks=1, recent_blocks=2, dense_layers=(0,),
-                      fetch_cap=fetch_cap, predictor=predictor, measure_agreement=measure)
+                      fetch_cap=fetch_cap, predictor=predictor, measure_agreement=measure, pd_read_mode=pd_read_mode)
     return OasisSparseKV(cfg, layers, 1024, rows, H, D, D, torch.float32, device, ops=ops, padding_row=padding_row)
 
 
@@ -512,6 +512,24 @@ def test_can_replay_needs_every_row_predicted(seed):
     run.step()                                # no host values: the host record is dropped ...
     assert not eng.can_replay([1, 2], [22, 22]), "... so nothing replays from then on"
     assert _engine(16, "current").can_replay([5], [7]), "current selects inside the step anyway"
+
+
+@pytest.mark.parametrize("predictor,read_mode,replays", [("previous", "deferred", True), ("previous", "wait", False),
+                                                         ("current", "deferred", False), ("current", "wait", False)])
+def test_a_pd_decode_step_replays_only_when_no_layer_reads_from_the_peer(seed, predictor, read_mode, replays):
+    """A PD decode node (``attach_remote``) may replay a captured step only when its plans leave
+    reads between steps (deferred + a predictor planning a step ahead); otherwise the eager step
+    reads the plan's missing pieces from the prefill node inside its layers."""
+    from oasis_sglang.core.remote import RemoteBlocks
+
+    eng = _engine(16, predictor, pd_read_mode=read_mode)
+    run = Run(eng, [1, 2], 20, 40)
+    run.prefill()
+    assert eng.can_replay([1, 2], [21, 21]), "colocated: predicted rows (previous) or current replay"
+    eng.attach_remote(RemoteBlocks(len(eng.sparse_layers), eng.head_num, eng.host.num_pages, fetch=lambda *a: 0))
+    assert eng.can_replay([1, 2], [21, 21]) is replays
+    eng.attach_remote(None)
+    assert eng.can_replay([1, 2], [21, 21]), "detached: as colocated again"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

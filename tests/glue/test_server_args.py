@@ -112,6 +112,18 @@ def test_pd_with_nixl_is_served(model, mode):
     assert '"pd_lease_s": 30.0' in a.kv_sparse_config and '"pd_read_timeout_s": 2.5' in a.kv_sparse_config
 
 
+@pytest.mark.parametrize("read_mode,predictor,spec,blocked", [
+    ("deferred", "previous", False, None), ("wait", "previous", False, "pd_read_mode wait"),
+    ("deferred", "current", False, "predictor current"), ("deferred", "lookahead", True, "draft model")])
+def test_pd_decode_keeps_cuda_graphs_only_without_reads_inside_a_step(read_mode, predictor, spec, blocked):
+    """(The CPU engine captures nothing, so ServerArgs on this machine always disables graphs
+    before this check: the rule itself is tested here; the GPU run is docs/benchmarks.md's.)"""
+    from oasis_sglang.sglang_glue.server_args import _pd_decode_graph_blocker
+
+    why = _pd_decode_graph_blocker(read_mode, predictor, spec)
+    assert (why is None) if blocked is None else (blocked in why)
+
+
 def test_tp_must_give_each_rank_whole_heads(model):
     """SmolLM2: 9 attention heads, 3 KV heads: --tp 3 (one KV head per rank) and 9 (a replicated
     KV head per rank) are served, 2 is refused naming the flag."""
