@@ -135,10 +135,11 @@ class NixlTier:
             self._reg = None
 
 
-def piece_descs(k_ptr: int, v_ptr: int, heads: np.ndarray, pages: np.ndarray, num_pages: int,
+def piece_descs(k_ptr, v_ptr, heads: np.ndarray, pages: np.ndarray, num_pages: int,
                 k_piece: int, v_piece: int) -> np.ndarray:
     """NIXL descriptors ``[2N, 3]`` (address, bytes, device id 0) of the K then V pieces
-    ``(heads[i], pages[i])`` of one layer of a ``[H, P, bs, D]`` tier."""
+    ``(heads[i], pages[i])`` of a ``[H, P, bs, D]`` tier layer whose K / V start at ``k_ptr`` /
+    ``v_ptr`` (ints: one layer; ``[N]`` uint64 arrays: piece ``i``'s layer's)."""
     off = heads.astype(np.uint64) * np.uint64(num_pages) + pages.astype(np.uint64)
     n = len(off)
     d = np.zeros((2 * n, 3), dtype=np.uint64)
@@ -216,11 +217,15 @@ class RemoteBlockFetcher:
             time.sleep(0.0002)
         return p.nbytes
 
-    def post(self, peer: str, layer: int, heads, src_pages, dst_pages,
+    def post(self, peer: str, layer, heads, src_pages, dst_pages,
              timeout_s: float | None = None) -> "PendingRead | None":
         """Start the READ of ``fetch`` and return without waiting (``None``: nothing to read).
         The destination pieces are undefined until ``poll`` returns True.
 
+        Args:
+            layer: one sparse-layer index for every piece, or ``[N]`` integers (piece ``i`` of
+                layer ``layer[i]``): one NIXL transfer across layers (the decode node starts one
+                per peer and step, ``core/remote.py``). Others as ``fetch``.
         Raises:
             KeyError, ValueError: as ``fetch``. PeerLostError: NIXL could not start it.
         """
@@ -228,19 +233,29 @@ class RemoteBlockFetcher:
         heads, src, dst = (np.asarray(torch.as_tensor(x).cpu(), dtype=np.int64) for x in (heads, src_pages, dst_pages))
         if not len(heads) == len(src) == len(dst):
             raise ValueError(f"fetch: {len(heads)} heads, {len(src)} src_pages, {len(dst)} dst_pages")
+        per_piece = isinstance(layer, (torch.Tensor, np.ndarray, list, tuple))
+        layers = np.asarray(torch.as_tensor(layer).cpu(), dtype=np.int64).reshape(-1) if per_piece else None
+        if per_piece and len(layers) != len(heads):
+            raise ValueError(f"fetch: {len(layers)} layers for {len(heads)} pieces")
         if not len(heads):
             return None
-        if not 0 <= layer < len(lay.k_ptrs):
-            raise ValueError(f"fetch: layer {layer} not in 0..{len(lay.k_ptrs) - 1}")
+        lo, hi = (int(layers.min()), int(layers.max())) if per_piece else (layer, layer)
+        if not 0 <= lo <= hi < len(lay.k_ptrs):
+            raise ValueError(f"fetch: layer {layer if not per_piece else f'{lo}..{hi}'} not in "
+                             f"0..{len(lay.k_ptrs) - 1}")
         if heads.min() < 0 or heads.max() >= lay.head_num or src.min() < 0 or src.max() >= lay.num_pages \
                 or dst.min() < 0 or dst.max() >= self.local.num_pages:
             raise ValueError(f"fetch: heads / pages out of range (heads < {lay.head_num}, src pages < "
                              f"{lay.num_pages}, dst pages < {self.local.num_pages})")
         loc = self.local
-        remote = piece_descs(lay.k_ptrs[layer], lay.v_ptrs[layer], heads, src, lay.num_pages,
-                             lay.k_piece_bytes, lay.v_piece_bytes)
-        local = piece_descs(loc.k[layer].data_ptr(), loc.v[layer].data_ptr(), heads, dst, loc.num_pages,
-                            loc.k_piece, loc.v_piece)
+        if per_piece:
+            rk, rv = (np.asarray(x, dtype=np.uint64)[layers] for x in (lay.k_ptrs, lay.v_ptrs))
+            lk, lv = (np.asarray([t.data_ptr() for t in x], dtype=np.uint64)[layers] for x in (loc.k, loc.v))
+        else:
+            rk, rv = lay.k_ptrs[layer], lay.v_ptrs[layer]
+            lk, lv = loc.k[layer].data_ptr(), loc.v[layer].data_ptr()
+        remote = piece_descs(rk, rv, heads, src, lay.num_pages, lay.k_piece_bytes, lay.v_piece_bytes)
+        local = piece_descs(lk, lv, heads, dst, loc.num_pages, loc.k_piece, loc.v_piece)
         ag = loc.agent
         t_end = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
         try:

@@ -14,7 +14,8 @@ When a read is made (``OasisConfig.pd_read_mode``):
   wanted block not here yet (``filter_planned``: the working set keeps what it had for that
   step) and counts it on the device; ``service``, at the next step's start, starts the reads of
   every such piece of every layer and request (one read per (layer, peer); ``post``) and
-  returns; a later ``service`` sees them ended and marks the pieces present, so the next plan
+  returns (one read per peer holding every layer's pieces: one start per step, not per layer);
+  a later ``service`` sees them ended and marks the pieces present, so the next plan
   can admit them. No host read inside a step (a CUDA graph could capture it) and no wait for the
   network: a block arrives two or more steps after the plan that first wanted it. Blocks a step
   starts empty (its new token is their first) are never left out.
@@ -40,8 +41,9 @@ import torch
 
 # fetch(peer, layer, heads [N], src_pages [N], dst_pages [N]) -> bytes read; raises on a lost peer
 FetchFn = Callable[[str, int, torch.Tensor, torch.Tensor, torch.Tensor], int]
-# post(the same) -> a pending read (or None: nothing to read), without waiting; raises on a lost peer
-PostFn = Callable[[str, int, torch.Tensor, torch.Tensor, torch.Tensor], object]
+# post(peer, layers [N] (or one layer), heads [N], src_pages [N], dst_pages [N]) -> a pending read (or None:
+# nothing to read), without waiting; raises on a lost peer
+PostFn = Callable[[str, "int | torch.Tensor", torch.Tensor, torch.Tensor, torch.Tensor], object]
 # poll(pending) -> True once its pieces are here; raises on a lost peer
 PollFn = Callable[[object], bool]
 
@@ -77,11 +79,14 @@ class RemoteBlocks:
         self.deferred = torch.zeros((num_layers, head_num, num_pages), dtype=torch.int32, device=self.device)
         self.deferred_pieces = 0        # pieces read by ``service`` (a plan had left them out)
         self.deferred_bytes = 0
+        self.service_calls = 0          # ``service`` calls, and their host time (seconds) in all
+        self.service_s = 0.0
         if (post is None) != (poll is None):
             raise ValueError("RemoteBlocks: post and poll go together")
         self.post, self.poll = post, poll
         self.inflight = torch.zeros((num_layers, head_num, num_pages), dtype=torch.bool)
-        self.pending: list[tuple[int, str, torch.Tensor, torch.Tensor, object]] = []   # (layer, peer, h, p, read)
+        # reads in flight: (layers [N], peer, heads [N], pages [N], read)
+        self.pending: list[tuple[torch.Tensor, str, torch.Tensor, torch.Tensor, object]] = []
         self.peer = torch.full((num_pages,), -1, dtype=torch.int32)
         self.src_page = torch.full((num_pages,), -1, dtype=torch.int64)
         self.peer_names: list[str] = []
@@ -219,37 +224,46 @@ class RemoteBlocks:
         return torch.where(absent, -1, wanted), forced & ~absent
 
     def service(self) -> int:
-        """Read every piece a plan left out since the last call (``filter_planned``), one read
-        per (layer, peer), and mark it present. Call between steps, after the plans that
-        counted them ran (one device read of ``deferred``). With ``post`` / ``poll`` the reads
-        are only started here; the reads started by earlier calls that ended are marked present
-        first (a piece is admitted from the first plan after that).
+        """Read every piece a plan left out since the last call (``filter_planned``) and mark it
+        present. Call between steps, after the plans that counted them ran (one device read of
+        ``deferred``). With ``post`` / ``poll`` the reads are only started here, one per peer
+        holding every layer's pieces; the reads started by earlier calls that ended are marked
+        present first (a piece is admitted from the first plan after that). Without them, one
+        waited ``fetch`` per (layer, peer).
 
         Returns: bytes read (waited) or started (``post``). A lost peer's pieces are skipped.
         """
+        t0 = time.perf_counter()
+        try:
+            return self._service()
+        finally:
+            self.service_calls += 1
+            self.service_s += time.perf_counter() - t0
+
+    def _service(self) -> int:
         self._take_ended()
         idx = torch.nonzero(self.deferred).cpu()           # [M, 3] (layer, head, page)
         if not idx.numel():
             return 0
         self.deferred.zero_()
+        if self.post is not None:
+            return self._start_reads(idx[:, 0], idx[:, 1], idx[:, 2])
         n = 0
         for li in torch.unique(idx[:, 0]).tolist():
             sel = idx[idx[:, 0] == li]
-            if self.post is None:
-                before = self.pieces_read
-                got = self.ensure_local(li, sel[:, 1] * self.P + sel[:, 2])
-                self.deferred_pieces += self.pieces_read - before
-                self.deferred_bytes += got
-                n += got
-            else:
-                n += self._start_reads(li, sel[:, 1], sel[:, 2])
+            before = self.pieces_read
+            got = self.ensure_local(li, sel[:, 1] * self.P + sel[:, 2])
+            self.deferred_pieces += self.pieces_read - before
+            self.deferred_bytes += got
+            n += got
         return n
 
-    def _start_reads(self, layer: int, h: torch.Tensor, p: torch.Tensor) -> int:
-        """``post`` the reads of pieces ``(h[i], p[i])`` of ``layer`` not here, not in flight,
-        and of a peer not lost (one per peer). Returns bytes started."""
-        keep = ~self.present[layer, h, p] & ~self.inflight[layer, h, p] & (self.peer[p] >= 0)
-        h, p = h[keep], p[keep]
+    def _start_reads(self, l: torch.Tensor, h: torch.Tensor, p: torch.Tensor) -> int:
+        """``post`` the reads of pieces ``(l[i], h[i], p[i])`` (``[M]`` int64 each) not here, not
+        in flight, and of a peer not lost: one read per peer with all its layers' pieces.
+        Returns bytes started."""
+        keep = ~self.present[l, h, p] & ~self.inflight[l, h, p] & (self.peer[p] >= 0)
+        l, h, p = l[keep], h[keep], p[keep]
         n = 0
         owner = self.peer[p]
         for pi in torch.unique(owner).tolist():
@@ -258,14 +272,14 @@ class RemoteBlocks:
                 continue
             sel = owner == pi
             try:
-                read = self.post(name, layer, h[sel], self.src_page[p[sel]], p[sel])
+                read = self.post(name, l[sel], h[sel], self.src_page[p[sel]], p[sel])
             except Exception as e:  # noqa: BLE001 - any failure of a peer ends its requests, not the step
                 self.lost[name] = f"{type(e).__name__}: {e}"
                 continue
             if read is None:
                 continue
-            self.inflight[layer, h[sel], p[sel]] = True
-            self.pending.append((layer, name, h[sel], p[sel], read))
+            self.inflight[l[sel], h[sel], p[sel]] = True
+            self.pending.append((l[sel], name, h[sel], p[sel], read))
             n += int(getattr(read, "nbytes", 0))
         return n
 
@@ -291,7 +305,7 @@ class RemoteBlocks:
             # a page released meanwhile was waited for (release): these pieces are still the request's
             self.present[layer, h, p] = True
             if self.present_dev is not self.present:
-                self.present_dev[layer, h.to(self.device), p.to(self.device)] = True
+                self.present_dev[layer.to(self.device), h.to(self.device), p.to(self.device)] = True
             k = int(h.numel())
             nb = int(getattr(read, "nbytes", 0))
             self.pieces_read += k

@@ -99,6 +99,26 @@ def test_a_failed_read_loses_its_peer_and_frees_its_pieces():
     assert len(reads.started) == 1
 
 
+def test_one_read_per_peer_holds_every_layers_pieces():
+    """``service`` starts one read per peer per step, whatever the layers: 3 layers' left-out
+    pieces of two peers' pages make two reads, each naming its pieces' layers."""
+    reads = Reads()
+    rb = RemoteBlocks(3, 2, 8, fetch=lambda *a: 0, post=reads.post, poll=reads.poll)
+    rb.admit(torch.tensor([1, 2]), "A", torch.tensor([10, 11]))
+    rb.admit(torch.tensor([5]), "B", torch.tensor([50]))
+    for li, h, pg in [(0, 0, 1), (2, 1, 2), (1, 1, 5), (2, 0, 5), (0, 1, 1)]:
+        rb.deferred[li, h, pg] = 1
+    rb.service()
+    assert sorted(r.peer for r in reads.started) == ["A", "B"]
+    got = {r.peer: sorted(zip(torch.as_tensor(r.layer).tolist(), r.dst.tolist(), r.src.tolist())) for r in reads.started}
+    assert got == {"A": [(0, 1, 10), (0, 1, 10), (2, 2, 11)], "B": [(1, 5, 50), (2, 5, 50)]}
+    for r in reads.started:
+        r.done = True
+    rb.service()
+    assert rb.present[0, :, 1].all() and rb.present[2, 1, 2] and rb.present[1, 1, 5] and rb.present[2, 0, 5]
+    assert not rb.present[1, 0, 1] and not rb.present[0, 0, 5] and not rb.inflight.any()
+
+
 def test_post_and_poll_go_together():
     with pytest.raises(ValueError, match="post and poll"):
         RemoteBlocks(1, 1, 8, fetch=lambda *a: 0, post=lambda *a: None)

@@ -150,3 +150,32 @@ def test_post_then_poll_reads_and_a_failed_read_stays_failed(pair, monkeypatch):
         with pytest.raises(PeerLostError, match="did not end in time"):
             f.poll(q)
     assert f.stats.transfers == 1
+
+
+def test_one_post_reads_pieces_of_several_layers(pair):
+    """``post`` with a layer per piece: one NIXL transfer holding pieces of every layer (the
+    decode node's one read per peer and step), each landing in its own layer, nothing else
+    written; a layer out of range or a layer list of another length is refused by name."""
+    src, dst, ns, f = pair
+    peer = next(iter(f.peers))
+    n = 30
+    layers = torch.randint(0, L, (n,))
+    heads = torch.randint(0, H, (n,))
+    srcp = torch.randint(0, P, (n,))
+    dstp = torch.randperm(P)[:n]                 # distinct destinations: each piece's bytes are checkable
+    p = f.post(peer, layers, heads, srcp, dstp)
+    for _ in range(10000):
+        if f.poll(p):
+            break
+        time.sleep(0.001)
+    assert f.stats.transfers == 1 and p.pieces == n and p.nbytes == n * 2 * BS * D * 4
+    for li in range(L):
+        want_k, want_v = torch.zeros_like(dst.k[li]), torch.zeros_like(dst.v[li])
+        m = layers == li
+        want_k[heads[m], dstp[m]] = src.k[li][heads[m], srcp[m]]
+        want_v[heads[m], dstp[m]] = src.v[li][heads[m], srcp[m]]
+        assert torch.equal(dst.k[li], want_k) and torch.equal(dst.v[li], want_v), li
+    with pytest.raises(ValueError, match="layer 0..3 not in 0..2"):
+        f.post(peer, torch.tensor([0, 3]), heads[:2], srcp[:2], dstp[:2])
+    with pytest.raises(ValueError, match="1 layers for 2 pieces"):
+        f.post(peer, torch.tensor([0]), heads[:2], srcp[:2], dstp[:2])
