@@ -79,8 +79,18 @@ class RemoteBlocks:
         self.deferred = torch.zeros((num_layers, head_num, num_pages), dtype=torch.int32, device=self.device)
         self.deferred_pieces = 0        # pieces read by ``service`` (a plan had left them out)
         self.deferred_bytes = 0
-        self.service_calls = 0          # ``service`` calls, and their host time (seconds) in all
+        self.service_calls = 0          # ``service`` calls, and their host time (seconds) in all,
         self.service_s = 0.0
+        self.counts_s = 0.0             # of which reading the plans' counts (``_left_out``)
+        # CUDA: the counts are read one call late, from a snapshot taken on the step's stream and
+        # scanned on a side stream, so the host never waits for the step in flight (SGLang's
+        # overlap scheduler keeps the GPU one step ahead of the host); CPU: at once
+        self._lag = self.device.type == "cuda"
+        if self._lag:
+            self._snap = [torch.zeros_like(self.deferred) for _ in range(2)]
+            self._snap_done: list = [None, None]
+            self._turn = 0
+            self._side = torch.cuda.Stream(device=self.device)
         if (post is None) != (poll is None):
             raise ValueError("RemoteBlocks: post and poll go together")
         self.post, self.poll = post, poll
@@ -132,6 +142,9 @@ class RemoteBlocks:
         if self.present_dev is not self.present:
             self.present_dev[:, :, pd] = self.present[:, :, pages].to(self.device)
         self.deferred[:, :, pd] = 0
+        if self._lag:
+            for snap in self._snap:
+                snap[:, :, pd] = 0
 
     def release(self, pages: torch.Tensor) -> None:
         """Pages freed (the request ended): they are this node's own again. Waits first for
@@ -240,12 +253,39 @@ class RemoteBlocks:
             self.service_calls += 1
             self.service_s += time.perf_counter() - t0
 
+    def _left_out(self) -> torch.Tensor:
+        """``[M, 3]`` int64 (layer, head, page) CPU: the pieces plans left out, and reset the
+        counts. CPU: every plan so far. CUDA: the plans queued before the last call (their
+        snapshot was taken then, behind them on the step's stream, and has ended since: the
+        step in flight is at most one later), read on a side stream, so the host waits for no
+        step; a piece is read one step later than on CPU."""
+        t0 = time.perf_counter()
+        try:
+            if not self._lag:
+                idx = torch.nonzero(self.deferred).cpu()
+                if idx.numel():
+                    self.deferred.zero_()
+                return idx
+            t, prev = self._turn, 1 - self._turn
+            self._snap[t].copy_(self.deferred)              # on the step's stream, behind the plans
+            self.deferred.zero_()
+            done = torch.cuda.Event()
+            done.record()
+            self._snap_done[t], self._turn = done, prev
+            ev, self._snap_done[prev] = self._snap_done[prev], None
+            if ev is None:
+                return torch.empty((0, 3), dtype=torch.int64)
+            with torch.cuda.stream(self._side):
+                self._side.wait_event(ev)
+                return torch.nonzero(self._snap[prev]).cpu()     # waits for the side stream only
+        finally:
+            self.counts_s += time.perf_counter() - t0
+
     def _service(self) -> int:
         self._take_ended()
-        idx = torch.nonzero(self.deferred).cpu()           # [M, 3] (layer, head, page)
+        idx = self._left_out()                             # [M, 3] (layer, head, page)
         if not idx.numel():
             return 0
-        self.deferred.zero_()
         if self.post is not None:
             return self._start_reads(idx[:, 0], idx[:, 1], idx[:, 2])
         n = 0

@@ -122,3 +122,22 @@ def test_one_read_per_peer_holds_every_layers_pieces():
 def test_post_and_poll_go_together():
     with pytest.raises(ValueError, match="post and poll"):
         RemoteBlocks(1, 1, 8, fetch=lambda *a: 0, post=lambda *a: None)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the counts are read one call late on CUDA only")
+def test_cuda_reads_the_counts_one_call_late_without_waiting_for_the_step():
+    """On CUDA ``service`` starts the reads of the plans queued before its previous call (their
+    snapshot has ended), not of the step in flight; a page changing hands drops its snapshot
+    counts too."""
+    reads = Reads()
+    rb = RemoteBlocks(2, 1, 8, fetch=lambda *a: 0, device="cuda", post=reads.post, poll=reads.poll)
+    rb.admit(torch.tensor([3, 4]), "A", torch.tensor([30, 40]))
+    rb.deferred[1, 0, 3] += 1                         # a plan of step t
+    rb.service()                                      # start of t + 1: snapshot taken, nothing read yet
+    assert not reads.started and int(rb.deferred.sum()) == 0
+    rb.deferred[0, 0, 4] += 1                         # a plan of step t + 1
+    rb.service()                                      # start of t + 2: step t's counts
+    assert [(r.layer.tolist(), r.dst.tolist()) for r in reads.started] == [([1], [3])]
+    rb.release(torch.tensor([4]))                     # page 4 changes hands before its count is read
+    rb.service()
+    assert len(reads.started) == 1 and rb.counts_s > 0 and rb.service_calls == 3
