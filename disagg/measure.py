@@ -61,8 +61,8 @@ def measure_admission(kv: dict, queries: dict, sim_prefix: int, cfg: OasisConfig
     dc = OasisSparseKV(cfg, num_layers, tokens, 2, H, D, Dv, dtype, "cpu")
     tag = f"{os.getpid()}-{next(_names)}"
     npf, ndc = NixlTier(pf.host.k, pf.host.v, f"pd-prefill-{tag}"), NixlTier(dc.host.k, dc.host.v, f"pd-decode-{tag}")
+    fetcher = RemoteBlockFetcher(ndc)
     try:
-        fetcher = RemoteBlockFetcher(ndc)
         peer = fetcher.add_peer(npf.layout())
         remote = RemoteBlocks(len(sparse), H, dc.host.num_pages, fetcher.fetch, post=fetcher.post, poll=fetcher.poll)
         dc.attach_remote(remote)
@@ -113,5 +113,6 @@ def measure_admission(kv: dict, queries: dict, sim_prefix: int, cfg: OasisConfig
             "steps_equal": sum(1 for x in rel if x == 0), "deferred_pieces": remote.deferred_pieces,
         }
     finally:
+        fetcher.close()
         ndc.close()
         npf.close()

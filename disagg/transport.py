@@ -5,8 +5,11 @@ Paper: PD integration, remote partial fetching. The prefill node's host tier
 *staging pool*: it is registered with NIXL once (``NixlTier``) and its layout
 (``TierLayout``: agent metadata and buffer addresses, a few hundred bytes) is sent to each
 decode node. A decode node READs the (sparse layer, KV head, block) pieces its predictor wants
-(``RemoteBlockFetcher``), one NIXL transfer per (sparse layer, peer) holding every piece of
-every request of that step, into the same place of its own host tier.
+(``RemoteBlockFetcher``), one NIXL transfer holding every piece of every request (per sparse
+layer and peer when a layer waits for them, per peer and step when reads are deferred), into
+the same place of its own host tier. The NIXL calls of a read run on the fetcher's reader
+thread: over UCX loopback (shared memory) ``transfer`` copies the bytes itself (24 ms of a
+26 MiB step on the H200 host, 2026-12-04), which would otherwise stall the scheduler.
 
 The memory is registered as ``DRAM`` (the host tier is host memory on a GPU host too: pinned
 with ``cudaHostRegister``, so a READ lands in memory the device's H2D gather reads directly).
@@ -18,8 +21,10 @@ from __future__ import annotations
 
 import base64
 import json
+import queue
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -91,9 +96,12 @@ class TierLayout:
 
 
 def _agent(name: str, backends=("UCX",)):
-    from nixl._api import nixl_agent, nixl_agent_config     # lazy: nixl is the [disagg] extra
+    from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t   # lazy: nixl is the [disagg] extra
 
-    return nixl_agent(name, nixl_agent_config(backends=list(backends)))
+    # STRICT: the reader thread (RemoteBlockFetcher) and the scheduler's thread (notifications,
+    # peers) call one agent
+    return nixl_agent(name, nixl_agent_config(backends=list(backends),
+                                              sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT))
 
 
 class NixlTier:
@@ -176,6 +184,52 @@ class RemoteBlockFetcher:
         self.local, self.timeout_s = local, float(timeout_s)
         self.peers: dict[str, TierLayout] = {}
         self.stats = FetchStats()
+        self._reads: queue.SimpleQueue = queue.SimpleQueue()
+        self._reader: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def _submit(self, p: "PendingRead") -> None:
+        with self._lock:
+            if self._reader is None or not self._reader.is_alive():
+                self._reader = threading.Thread(target=self._read_loop, name=f"oasis-nixl-{self.local.name}",
+                                                daemon=True)
+                self._reader.start()
+        self._reads.put(p)
+
+    def _read_loop(self) -> None:
+        """The reader thread: each posted read's NIXL calls, in order (initialize, transfer,
+        state until it ends, its deadline passes or ``poll`` gave it up), then ``ended``."""
+        ag = self.local.agent
+        while True:
+            p = self._reads.get()
+            if p is None:
+                return
+            h = None
+            try:
+                h = ag.initialize_xfer("READ", ag.get_xfer_descs(p.local, "DRAM"),
+                                       ag.get_xfer_descs(p.remote, "DRAM"), p.peer)
+                state = ag.transfer(h)
+                while state == _PROC and p.failed is None and time.monotonic() <= p.t_end:
+                    time.sleep(0.0002)
+                    state = ag.check_xfer_state(h)
+                p.state = state
+            except Exception as e:  # noqa: BLE001 - NIXL_ERR_REMOTE_DISCONNECT and the like
+                p.state, p.error = _ERR, f"{type(e).__name__}: {e}"
+            finally:
+                if h is not None:
+                    try:
+                        ag.release_xfer_handle(h)
+                    except Exception:  # noqa: BLE001 - a handle still in progress may refuse
+                        pass
+                p.local = p.remote = None
+                p.ended.set()
+
+    def close(self) -> None:
+        """Stop the reader thread after the reads already posted (call before closing the tier)."""
+        t = self._reader
+        if t is not None and t.is_alive():
+            self._reads.put(None)
+            t.join(timeout=self.timeout_s + 5)
 
     def add_peer(self, layout: TierLayout) -> str:
         """Load a peer's NIXL metadata; returns its agent name. Raises ValueError when its tier's
@@ -208,7 +262,7 @@ class RemoteBlockFetcher:
         Raises:
             KeyError: unknown peer. ValueError: out-of-range indices or lengths that differ.
             PeerLostError: NIXL failed the transfer, or it did not end within the deadline
-                (the handle is released; the destination pieces are then undefined).
+                (the reader thread gives it up; the destination pieces are then undefined).
         """
         p = self.post(peer, layer, heads, src_pages, dst_pages, timeout_s)
         if p is None:
@@ -227,7 +281,8 @@ class RemoteBlockFetcher:
                 layer ``layer[i]``): one NIXL transfer across layers (the decode node starts one
                 per peer and step, ``core/remote.py``). Others as ``fetch``.
         Raises:
-            KeyError, ValueError: as ``fetch``. PeerLostError: NIXL could not start it.
+            KeyError, ValueError: as ``fetch`` (NIXL's own failures, starting included, are
+            raised by ``poll`` as PeerLostError).
         """
         lay = self.peers[peer]
         heads, src, dst = (np.asarray(torch.as_tensor(x).cpu(), dtype=np.int64) for x in (heads, src_pages, dst_pages))
@@ -256,70 +311,55 @@ class RemoteBlockFetcher:
             lk, lv = loc.k[layer].data_ptr(), loc.v[layer].data_ptr()
         remote = piece_descs(rk, rv, heads, src, lay.num_pages, lay.k_piece_bytes, lay.v_piece_bytes)
         local = piece_descs(lk, lv, heads, dst, loc.num_pages, loc.k_piece, loc.v_piece)
-        ag = loc.agent
         t_end = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
-        try:
-            h = ag.initialize_xfer("READ", ag.get_xfer_descs(local, "DRAM"), ag.get_xfer_descs(remote, "DRAM"), peer)
-        except Exception as e:  # noqa: BLE001 - nixlBind raises its own types
-            raise PeerLostError(peer, f"cannot start a READ: {type(e).__name__}: {e}") from e
-        p = PendingRead(peer, h, t_end, len(heads), len(heads) * (lay.k_piece_bytes + lay.v_piece_bytes))
-        try:
-            p.state = ag.transfer(h)
-        except Exception as e:  # noqa: BLE001 - NIXL_ERR_REMOTE_DISCONNECT and the like
-            self._release(p)
-            raise PeerLostError(peer, f"READ failed: {type(e).__name__}: {e}") from e
+        p = PendingRead(peer, t_end, len(heads), len(heads) * (lay.k_piece_bytes + lay.v_piece_bytes),
+                        local=local, remote=remote)
+        self._submit(p)
         return p
 
     def poll(self, p: "PendingRead") -> bool:
         """Whether the READ ``p`` (from ``post``) ended; on True its pieces are here and the
-        counters include it. Raises PeerLostError when NIXL failed it or its deadline passed
-        (its handle is then released; the destination pieces are undefined)."""
+        counters include it. Raises PeerLostError when NIXL failed it (it could not start, or
+        ended with an error) or its deadline passed (the reader thread then gives it up; the
+        destination pieces are undefined)."""
         if p.failed is not None:
             raise PeerLostError(p.peer, p.failed)
-        if p.handle is None:
-            return True
-        ag = self.local.agent
-        try:
-            state = p.state if p.state != _PROC else ag.check_xfer_state(p.handle)
-            if state == _PROC and time.monotonic() > p.t_end:
-                raise PeerLostError(p.peer, f"a READ of {p.pieces} pieces did not end in time")
-        except PeerLostError as e:
-            self._release(p)
-            p.failed = e.why
-            raise
-        except Exception as e:  # noqa: BLE001 - NIXL_ERR_REMOTE_DISCONNECT and the like
-            self._release(p)
-            p.failed = f"READ failed: {type(e).__name__}: {e}"
-            raise PeerLostError(p.peer, p.failed) from e
-        p.state = state
-        if state == _PROC:
+        if not p.ended.is_set():
+            if time.monotonic() > p.t_end:
+                p.failed = f"a READ of {p.pieces} pieces did not end in time"
+                raise PeerLostError(p.peer, p.failed)
             return False
-        self._release(p)
-        if state != _DONE:
-            p.failed = f"NIXL ended a READ with state {state}"
+        if p.error is not None:
+            p.failed = f"READ failed: {p.error}"
+        elif p.state == _PROC:
+            p.failed = f"a READ of {p.pieces} pieces did not end in time"
+        elif p.state != _DONE:
+            p.failed = f"NIXL ended a READ with state {p.state}"
+        if p.failed is not None:
             raise PeerLostError(p.peer, p.failed)
-        self.stats.transfers += 1
-        self.stats.pieces += p.pieces
-        self.stats.bytes += p.nbytes
+        if not p.counted:
+            p.counted = True
+            self.stats.transfers += 1
+            self.stats.pieces += p.pieces
+            self.stats.bytes += p.nbytes
         return True
-
-    def _release(self, p: "PendingRead") -> None:
-        try:
-            self.local.agent.release_xfer_handle(p.handle)
-        except Exception:  # noqa: BLE001 - a handle still in progress may refuse; nothing else holds it
-            pass
-        p.handle = None
 
 
 @dataclass
 class PendingRead:
-    """A READ started by ``RemoteBlockFetcher.post``: its peer, NIXL handle (``None`` once
-    released), deadline (``time.monotonic()`` seconds), pieces and bytes, last NIXL state, and
-    why it failed (``None``: it did not; a failed read raises again at every ``poll``)."""
+    """A READ started by ``RemoteBlockFetcher.post`` (made by its reader thread): its peer,
+    deadline (``time.monotonic()`` seconds), pieces and bytes, NIXL descriptors (``[2N, 3]``,
+    dropped once made), last NIXL state, ``ended`` (set by the reader thread), the error NIXL
+    raised, and why it failed (``None``: it did not; a failed read raises again at every
+    ``poll``)."""
     peer: str
-    handle: object
     t_end: float
     pieces: int
     nbytes: int
+    local: np.ndarray | None = None
+    remote: np.ndarray | None = None
     state: str = _PROC
+    ended: threading.Event = field(default_factory=threading.Event)
+    error: str | None = None
     failed: str | None = None
+    counted: bool = False

@@ -31,6 +31,7 @@ def pair(seed):
     f = RemoteBlockFetcher(nd, timeout_s=5)
     f.add_peer(TierLayout.from_bytes(ns.layout().to_bytes()))
     yield src, dst, ns, f
+    f.close()
     nd.close()
     ns.close()
 
@@ -54,6 +55,7 @@ def test_fetch_copies_exactly_the_asked_pieces(seed, dtype):
     assert torch.equal(dst.k[1].view(torch.uint8), want_k) and torch.equal(dst.v[1].view(torch.uint8), want_v)
     for li in (0, 2):                                      # other layers untouched
         assert not dst.k[li].view(torch.uint8).any() and not dst.v[li].view(torch.uint8).any()
+    f.close()
     nd.close()
     ns.close()
 
@@ -124,6 +126,7 @@ def test_a_killed_peer_is_reported_within_the_deadline(tmp_path, seed):
                 f.fetch(peer, 0, [0], [0], [0])
                 time.sleep(0.1)
         assert time.time() - t0 < 5 * 20 + 10
+        f.close()
         nd.close()
     finally:
         proc.kill()
@@ -143,13 +146,25 @@ def test_post_then_poll_reads_and_a_failed_read_stays_failed(pair, monkeypatch):
         time.sleep(0.001)
     assert f.poll(p) and f.stats.transfers == 1 and f.stats.bytes == p.nbytes == 2 * 2 * BS * D * 4
     assert torch.equal(dst.k[2][heads, dstp], src.k[2][heads, srcp])
-    q = f.post(peer, 2, heads, srcp, dstp, timeout_s=1e-9)
-    q.state = "PROC"                                     # as if still in flight past its deadline
-    monkeypatch.setattr(f.local.agent, "check_xfer_state", lambda h: "PROC")
+    ag = f.local.agent
+    monkeypatch.setattr(ag, "transfer", lambda h: "PROC")          # as if still in flight past its deadline
+    monkeypatch.setattr(ag, "check_xfer_state", lambda h: "PROC")
+    q = f.post(peer, 2, heads, srcp, dstp, timeout_s=0.05)
+    assert not f.poll(q), "a read in flight before its deadline is not done"
+    time.sleep(0.06)
     for _ in range(2):
         with pytest.raises(PeerLostError, match="did not end in time"):
             f.poll(q)
+    assert q.ended.wait(5), "the reader thread gives a read up past its deadline"
+    monkeypatch.undo()
     assert f.stats.transfers == 1
+    r = f.post(peer, 2, heads, srcp, dstp)                        # the reader thread reads on
+    for _ in range(10000):
+        if f.poll(r):
+            break
+        time.sleep(0.001)
+    assert f.stats.transfers == 2
+    f.close()
 
 
 def test_one_post_reads_pieces_of_several_layers(pair):
