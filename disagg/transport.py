@@ -20,6 +20,7 @@ No SGLang import (this module is tested with two NIXL agents over UCX loopback).
 from __future__ import annotations
 
 import base64
+import logging
 import json
 import queue
 import threading
@@ -28,6 +29,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+
+logger = logging.getLogger(__name__)
 
 # NIXL transfer states (nixl._api: check_xfer_state / transfer return these strings)
 _DONE, _PROC, _ERR = "DONE", "PROC", "ERR"
@@ -187,49 +190,113 @@ class RemoteBlockFetcher:
         self._reads: queue.SimpleQueue = queue.SimpleQueue()
         self._reader: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._closed = False
 
     def _submit(self, p: "PendingRead") -> None:
         with self._lock:
+            if self._closed:
+                raise RuntimeError(f"RemoteBlockFetcher of {self.local.name!r}: closed (no read can be posted)")
             if self._reader is None or not self._reader.is_alive():
                 self._reader = threading.Thread(target=self._read_loop, name=f"oasis-nixl-{self.local.name}",
                                                 daemon=True)
                 self._reader.start()
-        self._reads.put(p)
+            self._reads.put(p)
 
     def _read_loop(self) -> None:
-        """The reader thread: each posted read's NIXL calls, in order (initialize, transfer,
-        state until it ends, its deadline passes or ``poll`` gave it up), then ``ended``."""
+        """The reader thread: starts every posted read (``initialize_xfer`` + ``transfer``; a
+        read whose deadline passed, or that ``poll`` gave up, while it was queued is not
+        started), then checks all reads in flight together, so a stalled peer's read does not
+        hold another peer's back. A read is ``ended`` only when NIXL no longer works on it: it
+        finished, failed, or was given up and its handle released (a handle NIXL refuses to
+        release is checked on until it leaves PROC, at most ``timeout_s`` more); until then a
+        failed read's destination pieces may still be written (``core/remote.py`` waits for
+        ``ended`` before their pages change hands)."""
         ag = self.local.agent
-        while True:
-            p = self._reads.get()
-            if p is None:
-                return
-            h = None
+        flying: list = []                           # [(read, handle, give-up time or None)]
+        stop = False
+        while not (stop and not flying):
             try:
-                h = ag.initialize_xfer("READ", ag.get_xfer_descs(p.local, "DRAM"),
-                                       ag.get_xfer_descs(p.remote, "DRAM"), p.peer)
-                state = ag.transfer(h)
-                while state == _PROC and p.failed is None and time.monotonic() <= p.t_end:
-                    time.sleep(0.0002)
+                item = self._reads.get() if not flying and not stop else self._reads.get(timeout=0.0002)
+            except queue.Empty:
+                item = False
+            while item is not False:
+                if item is None:
+                    stop = True
+                else:
+                    self._start(ag, item, flying)
+                try:
+                    item = self._reads.get_nowait()
+                except queue.Empty:
+                    item = False
+            left = []
+            for p, h, gave_up in flying:
+                try:
                     state = ag.check_xfer_state(h)
+                except Exception as e:  # noqa: BLE001 - NIXL_ERR_REMOTE_DISCONNECT and the like
+                    state, p.error = _ERR, p.error or f"{type(e).__name__}: {e}"
+                if state == _PROC and gave_up is None and (p.failed is not None or time.monotonic() > p.t_end):
+                    gave_up = time.monotonic()                 # poll's deadline: release the handle
+                if state == _PROC and gave_up is None:
+                    left.append((p, h, None))
+                    continue
                 p.state = state
-            except Exception as e:  # noqa: BLE001 - NIXL_ERR_REMOTE_DISCONNECT and the like
-                p.state, p.error = _ERR, f"{type(e).__name__}: {e}"
-            finally:
-                if h is not None:
+                if state == _PROC:
                     try:
                         ag.release_xfer_handle(h)
-                    except Exception:  # noqa: BLE001 - a handle still in progress may refuse
-                        pass
-                p.local = p.remote = None
-                p.ended.set()
+                    except Exception:  # noqa: BLE001 - NIXL may refuse a handle still in progress
+                        if time.monotonic() - gave_up < self.timeout_s:
+                            left.append((p, h, gave_up))
+                            continue
+                    p.ended.set()
+                    continue
+                self._end(ag, p, h)
+            flying = left
+
+    def _start(self, ag, p: "PendingRead", flying: list) -> None:
+        if p.failed is not None or time.monotonic() > p.t_end:
+            p.error = p.error or "given up before it started (its deadline passed while queued)"
+            p.local = p.remote = None
+            p.ended.set()
+            return
+        h = None
+        try:
+            h = ag.initialize_xfer("READ", ag.get_xfer_descs(p.local, "DRAM"),
+                                   ag.get_xfer_descs(p.remote, "DRAM"), p.peer)
+            state = ag.transfer(h)
+        except Exception as e:  # noqa: BLE001 - NIXL_ERR_REMOTE_DISCONNECT and the like
+            p.state, p.error = _ERR, f"{type(e).__name__}: {e}"
+            self._end(ag, p, h)
+            return
+        p.local = p.remote = None
+        if state == _PROC:
+            flying.append((p, h, None))
+        else:
+            p.state = state
+            self._end(ag, p, h)
+
+    @staticmethod
+    def _end(ag, p: "PendingRead", h) -> None:
+        if h is not None:
+            try:
+                ag.release_xfer_handle(h)
+            except Exception:  # noqa: BLE001 - a finished or failed handle: nothing else holds it
+                pass
+        p.local = p.remote = None
+        p.ended.set()
 
     def close(self) -> None:
-        """Stop the reader thread after the reads already posted (call before closing the tier)."""
-        t = self._reader
+        """Stop the reader thread once the reads already posted ended (call before closing the
+        tier; ``post`` raises afterwards). Logs when the thread does not stop in time (a
+        transfer still running: do not deregister the tier's memory then)."""
+        with self._lock:
+            self._closed = True
+            t = self._reader
         if t is not None and t.is_alive():
             self._reads.put(None)
-            t.join(timeout=self.timeout_s + 5)
+            t.join(timeout=2 * self.timeout_s + 5)
+            if t.is_alive():
+                logger.warning("OasisKV PD: the NIXL reader thread of %r did not stop within %.0f s (a READ "
+                               "still running)", self.local.name, 2 * self.timeout_s + 5)
 
     def add_peer(self, layout: TierLayout) -> str:
         """Load a peer's NIXL metadata; returns its agent name. Raises ValueError when its tier's
@@ -285,13 +352,18 @@ class RemoteBlockFetcher:
             raised by ``poll`` as PeerLostError).
         """
         lay = self.peers[peer]
-        heads, src, dst = (np.asarray(torch.as_tensor(x).cpu(), dtype=np.int64) for x in (heads, src_pages, dst_pages))
+        if timeout_s is not None and not (isinstance(timeout_s, (int, float)) and not isinstance(timeout_s, bool)
+                                          and timeout_s > 0):
+            raise ValueError(f"fetch: timeout_s {timeout_s!r}: want > 0 seconds")
+        heads, src, dst = (_int_array(x, name) for x, name in ((heads, "heads"), (src_pages, "src_pages"),
+                                                               (dst_pages, "dst_pages")))
         if not len(heads) == len(src) == len(dst):
             raise ValueError(f"fetch: {len(heads)} heads, {len(src)} src_pages, {len(dst)} dst_pages")
-        per_piece = isinstance(layer, (torch.Tensor, np.ndarray, list, tuple))
-        layers = np.asarray(torch.as_tensor(layer).cpu(), dtype=np.int64).reshape(-1) if per_piece else None
+        layers = _int_array(layer, "layer", scalar_ok=True)
+        per_piece = layers.ndim == 1
         if per_piece and len(layers) != len(heads):
-            raise ValueError(f"fetch: {len(layers)} layers for {len(heads)} pieces")
+            raise ValueError(f"fetch: {len(layers)} layers for {len(heads)} pieces (want one layer, or one per piece)")
+        layer = layers if per_piece else int(layers)
         if not len(heads):
             return None
         lo, hi = (int(layers.min()), int(layers.max())) if per_piece else (layer, layer)
@@ -343,6 +415,21 @@ class RemoteBlockFetcher:
             self.stats.pieces += p.pieces
             self.stats.bytes += p.nbytes
         return True
+
+
+def _int_array(x, name: str, scalar_ok: bool = False) -> np.ndarray:
+    """``x`` (tensor, array, list or int) as an int64 numpy array: 1-D (or 0-d with
+    ``scalar_ok``), of an integer dtype. Raises ValueError naming ``name`` otherwise."""
+    try:
+        a = np.asarray(x.cpu() if isinstance(x, torch.Tensor) else x)
+    except Exception as e:  # noqa: BLE001 - anything that is not array-like
+        raise ValueError(f"fetch: {name} {x!r}: want integers ({type(e).__name__})") from None
+    if a.ndim == 1 and a.size == 0:
+        return a.astype(np.int64)
+    if a.dtype.kind not in "iu" or a.ndim > 1 or (a.ndim == 0 and not scalar_ok):
+        want = "an integer or a 1-D integer array" if scalar_ok else "a 1-D integer array"
+        raise ValueError(f"fetch: {name}: want {want}, got dtype {a.dtype} shape {tuple(a.shape)}")
+    return a.astype(np.int64)
 
 
 @dataclass

@@ -1,13 +1,14 @@
-"""PD admission traffic on one GPU: a prefill and a decode server with ``--kv-sparse oasis`` side by
-side on the same GPU, NIXL over loopback (issue 19's optional H200 run).
+"""PD on one GPU, admission traffic and decode speed: a prefill and a decode server with
+``--kv-sparse oasis`` side by side on the same GPU, NIXL over loopback (issue 19's H200 runs).
 
     python scripts/pd_gpu.py --model $M --input-len 16384 --requests 2 --out out/pd_gpu
 
 Both servers serve ``--model`` with random weights (``--load-format dummy``, always: speed and
 bytes only; the gpu-host kit's Qwen3-8B-shaped dummy) with SGLang's PD mode
 (``--disaggregation-transfer-backend nixl``), ``--mem-fraction-static`` 0.4 each, the triton
-attention backend, ``--sampling-backend pytorch`` (the gpu-host kit's settings), ``predictor:
-previous``, the decode node's ``pd_read_mode`` from ``--pd-read-mode`` (``deferred``, the default:
+attention backend, ``--sampling-backend pytorch`` (the gpu-host kit's settings), the predictor
+from ``--predictor`` (``previous`` by default; ``current``, what ``auto`` picks without a draft,
+keeps the decode node eager), the decode node's ``pd_read_mode`` from ``--pd-read-mode`` (``deferred``, the default:
 no host read inside a predicted step; ``wait``: one per layer). The prefill node runs no CUDA graphs;
 the decode node runs its decode steps in CUDA graphs with ``--cuda-graph`` (``deferred`` only: the
 plugin refuses graphs to a step that reads inside its layers) and eagerly without. The requests go
@@ -56,7 +57,7 @@ def decode_speed(log: str) -> dict:
 
 
 def server_args(a, mode: str, bootstrap: int) -> list[str]:
-    cfg = {"budget_tokens": a.budget, "kernels": "triton", "predictor": "previous", "pd_read_mode": a.pd_read_mode}
+    cfg = {"budget_tokens": a.budget, "kernels": "triton", "predictor": a.predictor, "pd_read_mode": a.pd_read_mode}
     args = ["--load-format", "dummy", "--attention-backend", "triton", "--sampling-backend", "pytorch",
             "--mem-fraction-static", str(a.mem_fraction), "--max-running-requests", str(a.requests),
             "--max-total-tokens", str(a.requests * (a.input_len + a.output_len + 64) + 4096),
@@ -99,6 +100,8 @@ def main(argv=None) -> int:
     ap.add_argument("--mem-fraction", type=float, default=0.4, help="--mem-fraction-static of each server")
     ap.add_argument("--pd-read-mode", choices=("deferred", "wait"), default="deferred",
                     help="the decode node's pd_read_mode (deferred: reads between steps; wait: in each layer)")
+    ap.add_argument("--predictor", choices=("previous", "current"), default="previous",
+                    help="both nodes' predictor (current: each layer reads inside the step, so no CUDA graphs)")
     ap.add_argument("--cuda-graph", action="store_true",
                     help="decode node: decode steps in CUDA graphs (needs --pd-read-mode deferred)")
     ap.add_argument("--out", default="out/pd_gpu")
@@ -106,8 +109,9 @@ def main(argv=None) -> int:
     for name in ("input_len", "output_len", "requests", "budget"):
         if getattr(a, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
-    if a.cuda_graph and a.pd_read_mode != "deferred":
-        ap.error("--cuda-graph needs --pd-read-mode deferred (with wait the decode node reads inside each layer)")
+    if a.cuda_graph and (a.pd_read_mode != "deferred" or a.predictor != "previous"):
+        ap.error("--cuda-graph needs --pd-read-mode deferred and --predictor previous (otherwise the decode node "
+                 "reads inside each layer)")
     if not 0 < a.mem_fraction <= 0.45:
         ap.error("--mem-fraction must be in (0, 0.45]: two servers share the GPU")
     if a.budget > a.input_len + a.output_len + 64:

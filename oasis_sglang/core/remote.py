@@ -1,7 +1,8 @@
 """Decode node of a PD deployment: which host-tier pieces are here, and where the others are.
 
 Paper: PD integration, remote partial fetching. A request admitted from a prefill node brings
-only part of its KV cache (its first decode step's working set; ``disagg/``). The rest of its
+only part of its KV cache (in serving its dense layers' KV and key summaries, and its first step
+reads the working set it selects; ``disagg/``). The rest of its
 blocks stay in the prefill node's host tier (the *staging pool*) and are read on demand: before
 the transfer stage copies admitted blocks host -> device (``core/stages.py``), ``ensure_local``
 reads the pieces that are not here yet from their peer (one read per (sparse layer, peer),
@@ -13,11 +14,11 @@ When a read is made (``OasisConfig.pd_read_mode``):
 - ``deferred`` (default) for a predicted step planned by the pipeline: the plan leaves out each
   wanted block not here yet (``filter_planned``: the working set keeps what it had for that
   step) and counts it on the device; ``service``, at the next step's start, starts the reads of
-  every such piece of every layer and request (one read per (layer, peer); ``post``) and
-  returns (one read per peer holding every layer's pieces: one start per step, not per layer);
-  a later ``service`` sees them ended and marks the pieces present, so the next plan
-  can admit them. No host read inside a step (a CUDA graph could capture it) and no wait for the
-  network: a block arrives two or more steps after the plan that first wanted it. Blocks a step
+  every such piece of every layer and request (``post``: one read per peer holding every layer's
+  pieces) and returns; a later ``service`` sees them ended and marks the pieces present, so the
+  next plan can admit them. No host read inside a step (a CUDA graph captures it) and no wait
+  for the network: a block arrives two or more steps after the plan that first wanted it (on
+  CUDA three or more: the counts are read one step late, ``_left_out``). Blocks a step
   starts empty (its new token is their first) are never left out.
 - ``wait``, and a synchronous step (a request's first step after admission selects with its
   own query): ``ensure_local`` in the transfer stage reads the plan's missing pieces before
@@ -34,17 +35,21 @@ serving).
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Callable
 
 import torch
 
+logger = logging.getLogger(__name__)
+
 # fetch(peer, layer, heads [N], src_pages [N], dst_pages [N]) -> bytes read; raises on a lost peer
 FetchFn = Callable[[str, int, torch.Tensor, torch.Tensor, torch.Tensor], int]
 # post(peer, layers [N] (or one layer), heads [N], src_pages [N], dst_pages [N]) -> a pending read (or None:
-# nothing to read), without waiting; raises on a lost peer
+# nothing to read), without waiting; a read with an ``ended`` event (threading.Event) is waited for through it
+# before its pages change hands even after it failed
 PostFn = Callable[[str, "int | torch.Tensor", torch.Tensor, torch.Tensor, torch.Tensor], object]
-# poll(pending) -> True once its pieces are here; raises on a lost peer
+# poll(pending) -> True once its pieces are here; raises on a lost peer (NIXL's failures, starting included)
 PollFn = Callable[[object], bool]
 
 
@@ -97,6 +102,8 @@ class RemoteBlocks:
         self.inflight = torch.zeros((num_layers, head_num, num_pages), dtype=torch.bool)
         # reads in flight: (layers [N], peer, heads [N], pages [N], read)
         self.pending: list[tuple[torch.Tensor, str, torch.Tensor, torch.Tensor, object]] = []
+        # failed reads the transport may still be writing (their ``ended`` event not set): (pages [N], read)
+        self.abandoned: list[tuple[torch.Tensor, object]] = []
         self.peer = torch.full((num_pages,), -1, dtype=torch.int32)
         self.src_page = torch.full((num_pages,), -1, dtype=torch.int64)
         self.peer_names: list[str] = []
@@ -148,8 +155,8 @@ class RemoteBlocks:
 
     def release(self, pages: torch.Tensor) -> None:
         """Pages freed (the request ended): they are this node's own again. Waits first for
-        the reads still writing into them (``wait_reads``): a page handed to another request
-        must not receive a late read."""
+        the reads still writing into them (``wait_reads_into``, failed ones the transport still
+        works on included): a page handed to another request must not receive a late read."""
         pages = torch.as_tensor(pages, dtype=torch.int64).cpu()
         self.wait_reads_into(pages)
         self.present[:, :, pages] = True
@@ -237,8 +244,8 @@ class RemoteBlocks:
         return torch.where(absent, -1, wanted), forced & ~absent
 
     def service(self) -> int:
-        """Read every piece a plan left out since the last call (``filter_planned``) and mark it
-        present. Call between steps, after the plans that counted them ran (one device read of
+        """Read every piece a plan left out (``filter_planned``) since the last call (on CUDA:
+        up to the call before it, ``_left_out``) and mark it present. Call between steps, after the plans that counted them ran (one device read of
         ``deferred``). With ``post`` / ``poll`` the reads are only started here, one per peer
         holding every layer's pieces; the reads started by earlier calls that ended are marked
         present first (a piece is admitted from the first plan after that). Without them, one
@@ -337,6 +344,9 @@ class RemoteBlocks:
             except Exception as e:  # noqa: BLE001 - any failure of a peer ends its requests, not the step
                 self.lost[name] = f"{type(e).__name__}: {e}"
                 self.inflight[layer, h, p] = False
+                ended = getattr(read, "ended", None)
+                if ended is not None and not ended.is_set():
+                    self.abandoned.append((p, read))    # its bytes may still land: pages wait for it
                 continue
             if not done:
                 left.append((layer, name, h, p, read))
@@ -354,12 +364,26 @@ class RemoteBlocks:
             self.deferred_bytes += nb
         self.pending = left
 
+    ABANDONED_WAIT_S = 60.0     # the most a page waits for a failed read the transport still works on
+
     def wait_reads_into(self, pages: torch.Tensor) -> None:
         """``wait_reads`` when a read in flight writes into one of ``pages [N]`` (int64 host
-        pages): call before the pages change hands or their memory is given back."""
+        pages), and wait for the failed reads into them the transport still works on (their
+        ``ended``; at most ``ABANDONED_WAIT_S``): call before the pages change hands or their
+        memory is given back."""
         pages = torch.as_tensor(pages, dtype=torch.int64).cpu()
         if self.pending and any(bool(torch.isin(p, pages).any()) for _, _, _, p, _ in self.pending):
             self.wait_reads()
+        if self.abandoned:
+            left = []
+            for p, read in self.abandoned:
+                if bool(torch.isin(p, pages).any()) and not read.ended.wait(self.ABANDONED_WAIT_S):
+                    logger.error("OasisKV PD: a failed read into pages %s did not end within %.0f s; the pages "
+                                 "change hands anyway and may still receive its bytes",
+                                 p[torch.isin(p, pages)][:8].tolist(), self.ABANDONED_WAIT_S)
+                if not read.ended.is_set():
+                    left.append((p, read))
+            self.abandoned = left
 
     def wait_reads(self) -> None:
         """Wait for every read started by ``service`` (each ends by its deadline) and mark its

@@ -226,8 +226,9 @@ def _pd_decode_graph_blocker(read_mode: str, predictor: str, spec: bool) -> str 
     if read_mode != "deferred":
         return f"pd_read_mode {read_mode}: blocks are read from the prefill node inside each layer"
     if predictor == "current":
-        return ("predictor current: each layer selects and reads its blocks in the step itself; "
-                "'previous' plans a step ahead and runs in CUDA graphs")
+        return ("predictor current ('auto' without a draft model): each layer selects and reads its blocks "
+                "in the step itself; add \"predictor\": \"previous\" to --kv-sparse-config to plan a step "
+                "ahead and decode in CUDA graphs (its accuracy: docs/accuracy.md)")
     if spec:
         return "a draft model with PD runs its paired steps eagerly (not validated in CUDA graphs on a GPU)"
     return None

@@ -141,3 +141,29 @@ def test_cuda_reads_the_counts_one_call_late_without_waiting_for_the_step():
     rb.release(torch.tensor([4]))                     # page 4 changes hands before its count is read
     rb.service()
     assert len(reads.started) == 1 and rb.counts_s > 0 and rb.service_calls == 3
+
+
+def test_a_failed_read_still_in_the_transport_holds_its_pages_until_it_ended():
+    """A read that failed at ``poll`` (its deadline) but that the transport still works on
+    (``ended`` not set) is waited for before its page changes hands; then it is forgotten."""
+    import threading
+    import time
+
+    reads = Reads()
+    rb = RemoteBlocks(1, 1, 8, fetch=lambda *a: 0, post=reads.post, poll=reads.poll)
+    rb.admit(torch.tensor([3]), "A", torch.tensor([30]))
+    rb.deferred[0, 0, 3] = 1
+    rb.service()
+    r = reads.started[0]
+    r.ended = threading.Event()
+
+    def fail(read):
+        raise RuntimeError("a READ of 1 pieces did not end in time")
+    rb.poll = fail
+    rb.service()
+    assert "did not end in time" in rb.lost["A"] and rb.abandoned and not rb.pending
+    threading.Timer(0.3, r.ended.set).start()
+    t0 = time.time()
+    rb.release(torch.tensor([3]))
+    assert time.time() - t0 >= 0.25 and not rb.abandoned
+    rb.release(torch.tensor([5]))                       # other pages wait for nothing

@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -194,3 +195,96 @@ def test_one_post_reads_pieces_of_several_layers(pair):
         f.post(peer, torch.tensor([0, 3]), heads[:2], srcp[:2], dstp[:2])
     with pytest.raises(ValueError, match="1 layers for 2 pieces"):
         f.post(peer, torch.tensor([0]), heads[:2], srcp[:2], dstp[:2])
+
+
+def _until(f, p, limit=10.0):
+    t0 = time.time()
+    while not f.poll(p):
+        assert time.time() - t0 < limit, "read did not end"
+        time.sleep(0.001)
+
+
+def test_a_read_given_up_while_queued_is_never_started(pair, monkeypatch):
+    """A read whose deadline passes while it waits behind another (UCX loopback copies inside
+    ``transfer``, simulated by a slow one) fails at ``poll``, is ended without being started,
+    and its bytes never land (its pages may change hands at once)."""
+    src, dst, ns, f = pair
+    peer = next(iter(f.peers))
+    ag = f.local.agent
+    real = ag.transfer
+    slow = threading.Event()
+
+    def transfer(h):
+        if not slow.is_set():
+            slow.set()
+            time.sleep(0.5)
+        return real(h)
+    monkeypatch.setattr(ag, "transfer", transfer)
+    first = f.post(peer, 0, [0], [1], [2])
+    while not slow.is_set():
+        time.sleep(0.001)
+    late = f.post(peer, 1, [1], [5], [7], timeout_s=0.05)
+    time.sleep(0.1)
+    with pytest.raises(PeerLostError, match="did not end in time"):
+        f.poll(late)
+    _until(f, first)
+    assert late.ended.wait(5) and "before it started" in late.error
+    assert not dst.k[1][1, 7].any() and not dst.v[1][1, 7].any(), "a given-up read wrote its page"
+    assert torch.equal(dst.k[0][0, 2], src.k[0][0, 1])
+
+
+def test_a_stalled_peer_does_not_hold_back_another_peers_read(seed, monkeypatch):
+    """Two peers; every READ of peer A stays in progress (a stopped host): peer B's read,
+    posted after it, still ends well within its deadline, and A's fails at its own."""
+    sa, na = tier(f"pa-{seed}")
+    sb, nb = tier(f"pb-{seed}")
+    dst, nd = tier(f"dc2-{seed}", fill=False)
+    f = RemoteBlockFetcher(nd, timeout_s=3)
+    a = f.add_peer(TierLayout.from_bytes(na.layout().to_bytes()))
+    b = f.add_peer(TierLayout.from_bytes(nb.layout().to_bytes()))
+    ag = nd.agent
+    real_init, real_transfer, real_state = ag.initialize_xfer, ag.transfer, ag.check_xfer_state
+    stalled = set()
+
+    def init(op, loc, rem, peer):
+        h = real_init(op, loc, rem, peer)
+        if peer == a:
+            stalled.add(id(h))
+        return h
+    monkeypatch.setattr(ag, "initialize_xfer", init)
+    monkeypatch.setattr(ag, "transfer", lambda h: "PROC" if id(h) in stalled else real_transfer(h))
+    monkeypatch.setattr(ag, "check_xfer_state", lambda h: "PROC" if id(h) in stalled else real_state(h))
+    try:
+        pa = f.post(a, 0, [0], [1], [2])
+        pb = f.post(b, 0, [1], [3], [4])
+        t0 = time.time()
+        _until(f, pb, limit=2.0)
+        assert time.time() - t0 < 2.0 and torch.equal(dst.k[0][1, 4], sb.k[0][1, 3])
+        time.sleep(3.1)
+        with pytest.raises(PeerLostError, match="did not end in time"):
+            f.poll(pa)
+        assert pa.ended.wait(10)
+    finally:
+        monkeypatch.undo()
+        f.close()
+        for t in (nd, na, nb):
+            t.close()
+
+
+def test_closed_fetcher_refuses_reads_and_bad_inputs_are_named(pair):
+    src, dst, ns, f = pair
+    peer = next(iter(f.peers))
+    for kw, msg in ((dict(layer=[0.5, 2.9]), "layer"), (dict(heads=[0.9, 2.0]), "heads"),
+                    (dict(heads=[[0, 1]]), "heads"), (dict(layer="0"), "layer"), (dict(layer=None), "layer"),
+                    (dict(timeout_s=0), "timeout_s"), (dict(timeout_s=-1.0), "timeout_s")):
+        args = dict(layer=[0, 1], heads=[0, 1], src_pages=[1, 2], dst_pages=[3, 4])
+        args.update(kw)
+        with pytest.raises(ValueError, match=msg):
+            f.post(peer, **args)
+    with pytest.raises(ValueError, match="1 layers for 2 pieces"):
+        f.post(peer, [0], [0, 1], [1, 2], [3, 4])
+    p = f.post(peer, torch.tensor(2), [0, 1], [1, 2], [3, 4])          # a 0-d layer is one layer
+    _until(f, p)
+    f.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        f.post(peer, 0, [0], [1], [2])
