@@ -140,6 +140,11 @@ class PrefillSide:
     def layout_b64(self) -> str:
         return base64.b64encode(self.tier.layout().to_bytes()).decode()
 
+    def close(self) -> None:
+        """Deregister the staging pool and end the NIXL agent (``NixlTier.close``); the leases
+        are left as they are (the process is ending). Idempotent."""
+        self.tier.close()
+
     def lease(self, room: int, release, rid: str = "", tokens: int = 0, page: int | None = None) -> None:
         """Hold a transferred request's pages until its decode node releases them (or
         ``lease_s`` passes without a renewal). ``release``: a callable freeing them (called
@@ -510,6 +515,13 @@ class DecodeSide:
         self.release(row, pages, tokens)
         if adm is None and bootstrap is not None:
             self.refuse(bootstrap[0], bootstrap[1], bootstrap[2], rid)
+
+    def close(self) -> None:
+        """Stop reading (``RemoteBlockFetcher.close``: the reads already started end first),
+        then deregister this host tier and end the NIXL agent (``NixlTier.close``).
+        Idempotent; the process is ending or the side is no longer used."""
+        self.fetcher.close()
+        self.tier.close()
 
     def lost_rows(self) -> dict[int, str]:
         """Rows admitted from a lost peer -> why it was lost."""

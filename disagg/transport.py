@@ -135,15 +135,26 @@ class NixlTier:
         self._reg = self.agent.register_memory(k + v, "DRAM")
 
     def layout(self) -> TierLayout:
+        if self.agent is None:
+            raise RuntimeError(f"NixlTier {self.name!r}: closed (it has no NIXL agent)")
         return TierLayout(self.name, self.agent.get_agent_metadata(), tuple(t.data_ptr() for t in self.k),
                           tuple(t.data_ptr() for t in self.v), self.num_pages, self.head_num, self.block_size,
                           self.k_piece, self.v_piece)
 
     def close(self) -> None:
-        """Deregister the buffers (the agent ends with the object)."""
+        """Deregister the buffers and let go of the agent. NIXL's progress thread busy-polls one
+        CPU core for as long as the agent lives (``pthrDelay`` is 0 in nixl's Python API, as in
+        SGLang's own NIXL connection), so a tier no longer in use must be closed, not left to
+        the garbage collector (six leaked agents held both cores of a 2-core CI box). Close the
+        ``RemoteBlockFetcher`` reading into it first. Idempotent; ``layout`` raises afterwards."""
         if self._reg is not None:
             self.agent.deregister_memory(self._reg)
             self._reg = None
+        self.agent = None
+
+    @property
+    def closed(self) -> bool:
+        return self.agent is None
 
 
 def piece_descs(k_ptr, v_ptr, heads: np.ndarray, pages: np.ndarray, num_pages: int,
@@ -181,6 +192,8 @@ class RemoteBlockFetcher:
         timeout_s: default deadline of one ``fetch`` (seconds).
     """
 
+    IDLE_EXIT_S = 2.0     # the reader thread ends after this long with nothing queued or in flight
+
     def __init__(self, local: NixlTier, timeout_s: float = 10.0):
         if not timeout_s > 0:
             raise ValueError(f"RemoteBlockFetcher: timeout_s {timeout_s!r}: want > 0 seconds")
@@ -194,7 +207,7 @@ class RemoteBlockFetcher:
 
     def _submit(self, p: "PendingRead") -> None:
         with self._lock:
-            if self._closed:
+            if self._closed or self.local.closed:
                 raise RuntimeError(f"RemoteBlockFetcher of {self.local.name!r}: closed (no read can be posted)")
             if self._reader is None or not self._reader.is_alive():
                 self._reader = threading.Thread(target=self._read_loop, name=f"oasis-nixl-{self.local.name}",
@@ -216,9 +229,15 @@ class RemoteBlockFetcher:
         stop = False
         while not (stop and not flying):
             try:
-                item = self._reads.get() if not flying and not stop else self._reads.get(timeout=0.0002)
+                item = self._reads.get(timeout=self.IDLE_EXIT_S if not flying and not stop else 0.0002)
             except queue.Empty:
                 item = False
+                if not flying and not stop:
+                    with self._lock:                # idle: end (``_submit`` starts another), so a
+                        if self._reads.empty():     # fetcher left unclosed does not keep its agent
+                            self._reader = None     # (and NIXL's busy progress thread) alive
+                            return
+                    continue
             while item is not False:
                 if item is None:
                     stop = True

@@ -80,6 +80,7 @@ def nodes(seed, request):
                           **(dict(post=fetcher.post, poll=fetcher.poll) if start_only else {}))
     dc.attach_remote(remote)
     yield pf, dc, remote, fetcher, peer, npf
+    fetcher.close()
     ndc.close()
     npf.close()
 

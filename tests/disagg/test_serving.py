@@ -47,8 +47,8 @@ def make_sides(budget, pd_read_mode="wait"):
 def sides():
     s = make_sides(256)                                  # the budget covers the context
     yield s
-    s[3].tier.close()
-    s[2].tier.close()
+    s[3].close()
+    s[2].close()
 
 
 def transferred(pf, dc, dpool, prompt, steps):
@@ -126,8 +126,8 @@ def test_decode_node_holds_only_the_blocks_it_read_or_decoded(seed):
         assert (ds.released_requests, ds.held_bytes_total, ds.whole_bytes_total) == (1, held, whole)
         assert not ds.rows and bool(ds.remote.present.all())
     finally:
-        ds.tier.close()
-        ps.tier.close()
+        ds.close()
+        ps.close()
 
 
 def test_release_never_gives_back_another_requests_blocks_and_rejects_masks(sides):

@@ -288,3 +288,26 @@ def test_closed_fetcher_refuses_reads_and_bad_inputs_are_named(pair):
     f.close()
     with pytest.raises(RuntimeError, match="closed"):
         f.post(peer, 0, [0], [1], [2])
+
+
+def test_an_idle_reader_thread_ends_and_a_closed_tier_lets_go_of_its_agent(pair, monkeypatch):
+    """NIXL's progress thread busy-polls a core while an agent lives: the reader thread must not
+    keep a fetcher's agent alive once idle (it ends, and the next read starts another), and a
+    closed tier drops its agent and refuses to be used."""
+    src, dst, ns, f = pair
+    monkeypatch.setattr(RemoteBlockFetcher, "IDLE_EXIT_S", 0.2)
+    peer = next(iter(f.peers))
+    name = f"oasis-nixl-{f.local.name}"
+    for _ in range(2):                                   # the second read starts a new reader thread
+        assert f.fetch(peer, 1, [0, 2], [3, 4], [5, 6]) > 0
+        torch.testing.assert_close(dst.k[1][[0, 2], [5, 6]], src.k[1][[0, 2], [3, 4]], rtol=0, atol=0)
+        t_end = time.monotonic() + 10
+        while any(t.name == name for t in threading.enumerate()) and time.monotonic() < t_end:
+            time.sleep(0.05)
+        assert not any(t.name == name for t in threading.enumerate()), "the idle reader thread did not end"
+    f.close()
+    f.local.close()
+    f.local.close()                                      # idempotent
+    assert f.local.closed and f.local.agent is None
+    with pytest.raises(RuntimeError, match="closed"):
+        f.local.layout()
