@@ -458,11 +458,12 @@ class DecodeSide:
                             "tier resident %s, requests from prefill nodes held: %d; read on demand so far: %.2f "
                             "MiB in %d NIXL reads, %d pieces of them left out of a plan first (pd_read_mode "
                             "deferred); starting reads between steps: %.3f ms per step (%.3f ms of it reading "
-                            "the plans' counts)", adm.rid, held / mib,
+                            "the plans' counts, %.3f ms marking ended reads' pieces present)", adm.rid, held / mib,
                             whole / mib, less, res, left, self.fetcher.stats.bytes / mib,
                             self.fetcher.stats.transfers, self.remote.deferred_pieces,
                             1e3 * self.remote.service_s / max(1, self.remote.service_calls),
-                            1e3 * self.remote.counts_s / max(1, self.remote.service_calls))
+                            1e3 * self.remote.counts_s / max(1, self.remote.service_calls),
+                            1e3 * self.remote.ended_s / max(1, self.remote.service_calls))
         adm = self.rows.pop(int(row), None)
         if adm is None:
             return

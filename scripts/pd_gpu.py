@@ -40,7 +40,9 @@ RELEASED = re.compile(r"OasisKV PD: released request (\S+): its sparse layers' K
                       r".* vs ([\d.]+) MiB allocated whole \((?:([\d.]+)x less|none held)\); host tier resident "
                       r"([\d.]+ MiB|-)")
 READ = re.compile(r"read on demand so far: ([\d.]+) MiB in (\d+) NIXL reads")
-SERVICE = re.compile(r"starting reads between steps: ([\d.]+) ms per step \(([\d.]+) ms of it reading")
+# the third figure (marking ended reads' pieces present): release lines of 2026-12-04 on
+SERVICE = re.compile(r"starting reads between steps: ([\d.]+) ms per step \(([\d.]+) ms of it reading"
+                     r"(?: the plans' counts, ([\d.]+) ms marking)?")
 DECODE = re.compile(r"Decode batch.*?#running-req: (\d+).*?cuda graph: (\w+).*?gen throughput \(token/s\): ([\d.]+)")
 
 
@@ -156,7 +158,9 @@ def main(argv=None) -> int:
     res = {"args": vars(a), "requests": results, "wall_s": wall, "admitted": adm, "released": rel,
            "read_on_demand_last": reads[-1] if reads else None,
            "service_ms_per_step": float(service[-1][0]) if service else None,
-           "counts_ms_per_step": float(service[-1][1]) if service else None, "decode_speed": speed}
+           "counts_ms_per_step": float(service[-1][1]) if service else None,
+           "marking_ms_per_step": float(service[-1][2]) if service and service[-1][2] else None,
+           "decode_speed": speed}
     (out / "pd_gpu.json").write_text(json.dumps(res, indent=1))
     lines = ["| request | prompt tokens | MiB at admission | MiB full transfer | less | host-tier MiB held | "
              "MiB allocated whole | less |", "|---|---|---|---|---|---|---|---|"]
@@ -167,7 +171,8 @@ def main(argv=None) -> int:
                      f"{r.get('held_mib', '-')} | {r.get('whole_mib', '-')} | {r.get('less', '-')}x |")
     lines.append(f"\nrequests: {results}; wall {wall:.1f} s; read on demand (cumulative, last line): {res['read_on_demand_last']}; "
                  f"starting reads between steps: {res['service_ms_per_step']} ms per step "
-                 f"({res['counts_ms_per_step']} ms of it reading the plans' counts)")
+                 f"({res['counts_ms_per_step']} ms of it reading the plans' counts, "
+                 f"{res['marking_ms_per_step']} ms marking ended reads' pieces present)")
     lines.append(f"decode node (pd_read_mode {a.pd_read_mode}, {'CUDA graphs' if a.cuda_graph else 'eager'}): {speed}")
     (out / "pd_gpu.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -87,6 +87,7 @@ class RemoteBlocks:
         self.service_calls = 0          # ``service`` calls, and their host time (seconds) in all,
         self.service_s = 0.0
         self.counts_s = 0.0             # of which reading the plans' counts (``_left_out``)
+        self.ended_s = 0.0              # and marking the pieces of ended reads present (``_take_ended``)
         # CUDA: the counts are read one call late, from a snapshot taken on the step's stream and
         # scanned on a side stream, so the host never waits for the step in flight (SGLang's
         # overlap scheduler keeps the GPU one step ahead of the host); CPU: at once
@@ -142,12 +143,31 @@ class RemoteBlocks:
         self.present[:, :, pages] = False if present is None else present.to(torch.bool).cpu()
         self._mirror(pages)
 
+    def _to_device(self, x: torch.Tensor) -> torch.Tensor:
+        """A CPU tensor on the device without waiting for the device: on CUDA staged through
+        page-locked memory (PyTorch's caching host allocator keeps the buffer until its copy
+        ran) and copied ``non_blocking``. A copy from pageable memory first waits for every
+        kernel queued on the stream (CUDA's rule for pageable host-to-device copies), i.e. for
+        the step in flight under SGLang's overlap scheduler."""
+        if self.device.type != "cuda":
+            return x.to(self.device)
+        return x.pin_memory().to(self.device, non_blocking=True)
+
+    def _mark_present_dev(self, layer: torch.Tensor, h: torch.Tensor, p: torch.Tensor) -> None:
+        """``present_dev[layer[i], h[i], p[i]] = True`` (``[N]`` int64 CPU each; ``layer`` may
+        be one layer as a 0-d tensor): one flat index, one copy that does not wait for the
+        device."""
+        if self.present_dev is self.present:
+            return
+        flat = (layer * self.H + h) * self.P + p
+        self.present_dev.view(-1)[self._to_device(flat.reshape(-1))] = True
+
     def _mirror(self, pages: torch.Tensor) -> None:
         """Copy ``present`` of ``pages`` to the device and drop their deferred counts (the pages
         changed hands: a count of their previous request must not trigger a read)."""
-        pd = pages.to(self.device)
+        pd = self._to_device(pages)
         if self.present_dev is not self.present:
-            self.present_dev[:, :, pd] = self.present[:, :, pages].to(self.device)
+            self.present_dev[:, :, pd] = self._to_device(self.present[:, :, pages].contiguous())
         self.deferred[:, :, pd] = 0
         if self._lag:
             for snap in self._snap:
@@ -198,8 +218,7 @@ class RemoteBlocks:
                 self.lost[name] = f"{type(e).__name__}: {e}"
                 continue
             self.present[layer, h[sel], p[sel]] = True
-            if self.present_dev is not self.present:
-                self.present_dev[layer, h[sel].to(self.device), p[sel].to(self.device)] = True
+            self._mark_present_dev(torch.tensor(layer, dtype=torch.int64), h[sel], p[sel])
             self.pieces_read += int(sel.sum())
         self.bytes_read += n
         return n
@@ -289,7 +308,9 @@ class RemoteBlocks:
             self.counts_s += time.perf_counter() - t0
 
     def _service(self) -> int:
+        t0 = time.perf_counter()
         self._take_ended()
+        self.ended_s += time.perf_counter() - t0
         idx = self._left_out()                             # [M, 3] (layer, head, page)
         if not idx.numel():
             return 0
@@ -354,8 +375,7 @@ class RemoteBlocks:
             self.inflight[layer, h, p] = False
             # a page released meanwhile was waited for (release): these pieces are still the request's
             self.present[layer, h, p] = True
-            if self.present_dev is not self.present:
-                self.present_dev[layer.to(self.device), h.to(self.device), p.to(self.device)] = True
+            self._mark_present_dev(layer, h, p)
             k = int(h.numel())
             nb = int(getattr(read, "nbytes", 0))
             self.pieces_read += k

@@ -167,3 +167,48 @@ def test_a_failed_read_still_in_the_transport_holds_its_pages_until_it_ended():
     rb.release(torch.tensor([3]))
     assert time.time() - t0 >= 0.25 and not rb.abandoned
     rb.release(torch.tensor([5]))                       # other pages wait for nothing
+
+
+def test_the_device_copy_of_presence_follows_reads_admissions_and_releases():
+    """``present_dev`` (a separate tensor on CUDA) is updated by one flat index per call: after
+    reads of pieces spread over layers and heads end, and after pages change hands, it equals
+    ``present`` exactly (run on the CPU with a separate copy standing in for the device's)."""
+    reads = Reads()
+    rb = RemoteBlocks(3, 2, 8, fetch=lambda *a: 0, post=reads.post, poll=reads.poll)
+    rb.present_dev = rb.present.clone()                 # what a CUDA engine holds
+    rb.admit(torch.tensor([3, 4, 6]), "A", torch.tensor([30, 40, 60]))
+    assert torch.equal(rb.present_dev, rb.present) and int((~rb.present).sum()) == 3 * 2 * 3
+    for l, h, p in ((2, 1, 3), (0, 1, 6), (1, 0, 4), (2, 0, 6)):
+        rb.deferred[l, h, p] = 1
+    rb.service()
+    reads.started[0].done = True
+    rb.service()
+    assert torch.equal(rb.present_dev, rb.present)
+    assert int((~rb.present).sum()) == 3 * 2 * 3 - 4 and bool(rb.present[2, 1, 3]) and bool(rb.present[1, 0, 4])
+    rb.release(torch.tensor([4]))
+    assert torch.equal(rb.present_dev, rb.present) and bool(rb.present[:, :, 4].all())
+    assert rb.ended_s > 0 and rb.service_s >= rb.ended_s
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="streams exist only on CUDA")
+def test_cuda_bookkeeping_does_not_wait_for_the_step_in_flight():
+    """SGLang's overlap scheduler keeps the GPU a step ahead: marking ended reads present,
+    admitting and releasing pages must not wait for the kernels queued on the stream (a copy
+    from pageable host memory would)."""
+    reads = Reads()
+    rb = RemoteBlocks(2, 1, 8, fetch=lambda *a: 0, device="cuda", post=reads.post, poll=reads.poll)
+    rb.admit(torch.tensor([3, 4]), "A", torch.tensor([30, 40]))
+    rb.deferred[1, 0, 3] += 1
+    rb.service()
+    rb.service()                                        # step t's counts: the read starts
+    reads.started[0].done = True
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)                    # about a second of GPU time: the step in flight
+    busy = torch.cuda.Event()
+    busy.record()
+    rb.service()                                        # marks the ended read's piece present
+    rb.admit(torch.tensor([5]), "A", torch.tensor([50]))
+    rb.release(torch.tensor([4]))
+    assert not busy.query(), "the bookkeeping waited for the kernels queued before it"
+    torch.cuda.synchronize()
+    assert torch.equal(rb.present_dev.cpu(), rb.present) and bool(rb.present[1, 0, 3])
