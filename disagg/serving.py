@@ -176,6 +176,8 @@ class PrefillSide:
         release sent when a request was retracted on its decode node cannot free the lease of its
         recompute's transfer."""
         n = 0
+        if self.tier.closed:
+            return 0
         try:
             notifs = self.tier.agent.get_new_notifs()
         except Exception as e:  # noqa: BLE001 - a notification error must not stop the prefill loop
@@ -333,7 +335,7 @@ class DecodeSide:
         """Keep the leases of the requests decoding here alive on their prefill nodes (a
         notification per request every ``lease_s / 4``; called before each decode batch)."""
         now = time.monotonic() if now is None else now
-        if now < self._next_renew or not self.rows:
+        if now < self._next_renew or not self.rows or self.tier.closed:
             return
         self._next_renew = now + self.renew_s
         for adm in self.rows.values():
@@ -520,9 +522,13 @@ class DecodeSide:
     def close(self) -> None:
         """Stop reading (``RemoteBlockFetcher.close``: the reads already started end first),
         then deregister this host tier and end the NIXL agent (``NixlTier.close``).
-        Idempotent; the process is ending or the side is no longer used."""
-        self.fetcher.close()
-        self.tier.close()
+        Idempotent; the process is ending or the side is no longer used. A read still running
+        after the fetcher's wait keeps the tier registered (its memory may still be written)."""
+        if self.fetcher.close():
+            self.tier.close()
+        else:
+            logger.warning("OasisKV PD: decode host tier %s left registered: a NIXL read into it is still running",
+                           self.tier.name)
 
     def lost_rows(self) -> dict[int, str]:
         """Rows admitted from a lost peer -> why it was lost."""

@@ -147,10 +147,12 @@ class NixlTier:
         SGLang's own NIXL connection), so a tier no longer in use must be closed, not left to
         the garbage collector (six leaked agents held both cores of a 2-core CI box). Close the
         ``RemoteBlockFetcher`` reading into it first. Idempotent; ``layout`` raises afterwards."""
-        if self._reg is not None:
-            self.agent.deregister_memory(self._reg)
-            self._reg = None
-        self.agent = None
+        try:
+            if self._reg is not None:
+                reg, self._reg = self._reg, None
+                self.agent.deregister_memory(reg)
+        finally:
+            self.agent = None
 
     @property
     def closed(self) -> bool:
@@ -209,13 +211,13 @@ class RemoteBlockFetcher:
         with self._lock:
             if self._closed or self.local.closed:
                 raise RuntimeError(f"RemoteBlockFetcher of {self.local.name!r}: closed (no read can be posted)")
-            if self._reader is None or not self._reader.is_alive():
-                self._reader = threading.Thread(target=self._read_loop, name=f"oasis-nixl-{self.local.name}",
-                                                daemon=True)
+            if self._reader is None or not self._reader.is_alive():   # the agent is taken while the tier is open
+                self._reader = threading.Thread(target=self._read_loop, args=(self.local.agent,),
+                                                name=f"oasis-nixl-{self.local.name}", daemon=True)
                 self._reader.start()
             self._reads.put(p)
 
-    def _read_loop(self) -> None:
+    def _read_loop(self, ag) -> None:
         """The reader thread: starts every posted read (``initialize_xfer`` + ``transfer``; a
         read whose deadline passed, or that ``poll`` gave up, while it was queued is not
         started), then checks all reads in flight together, so a stalled peer's read does not
@@ -224,7 +226,6 @@ class RemoteBlockFetcher:
         release is checked on until it leaves PROC, at most ``timeout_s`` more); until then a
         failed read's destination pieces may still be written (``core/remote.py`` waits for
         ``ended`` before their pages change hands)."""
-        ag = self.local.agent
         flying: list = []                           # [(read, handle, give-up time or None)]
         stop = False
         while not (stop and not flying):
@@ -303,10 +304,11 @@ class RemoteBlockFetcher:
         p.local = p.remote = None
         p.ended.set()
 
-    def close(self) -> None:
+    def close(self) -> bool:
         """Stop the reader thread once the reads already posted ended (call before closing the
-        tier; ``post`` raises afterwards). Logs when the thread does not stop in time (a
-        transfer still running: do not deregister the tier's memory then)."""
+        tier; ``post`` raises afterwards). Returns whether it stopped; when it did not within
+        ``2 * timeout_s + 5`` s (a transfer still running) it logs, and the tier's memory must
+        not be deregistered (``DecodeSide.close`` then leaves it)."""
         with self._lock:
             self._closed = True
             t = self._reader
@@ -316,6 +318,8 @@ class RemoteBlockFetcher:
             if t.is_alive():
                 logger.warning("OasisKV PD: the NIXL reader thread of %r did not stop within %.0f s (a READ "
                                "still running)", self.local.name, 2 * self.timeout_s + 5)
+                return False
+        return True
 
     def add_peer(self, layout: TierLayout) -> str:
         """Load a peer's NIXL metadata; returns its agent name. Raises ValueError when its tier's

@@ -187,7 +187,6 @@ def test_the_device_copy_of_presence_follows_reads_admissions_and_releases():
     assert int((~rb.present).sum()) == 3 * 2 * 3 - 4 and bool(rb.present[2, 1, 3]) and bool(rb.present[1, 0, 4])
     rb.release(torch.tensor([4]))
     assert torch.equal(rb.present_dev, rb.present) and bool(rb.present[:, :, 4].all())
-    assert rb.ended_s > 0 and rb.service_s >= rb.ended_s
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="streams exist only on CUDA")

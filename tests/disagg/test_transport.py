@@ -305,9 +305,12 @@ def test_an_idle_reader_thread_ends_and_a_closed_tier_lets_go_of_its_agent(pair,
         while any(t.name == name for t in threading.enumerate()) and time.monotonic() < t_end:
             time.sleep(0.05)
         assert not any(t.name == name for t in threading.enumerate()), "the idle reader thread did not end"
-    f.close()
+    tasks = len(os.listdir("/proc/self/task"))
+    assert f.close() is True
     f.local.close()
     f.local.close()                                      # idempotent
+    ns.close()
     assert f.local.closed and f.local.agent is None
+    assert len(os.listdir("/proc/self/task")) < tasks, "closing both tiers ended none of NIXL's threads"
     with pytest.raises(RuntimeError, match="closed"):
         f.local.layout()
