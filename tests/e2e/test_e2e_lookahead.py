@@ -12,7 +12,7 @@ backend with the torch ops of ``oasis_sglang/cpu/sgl_kernel_ops.py``.
     other kernels) it may leave dense only at a near-tie; one verify pass per token.
 (b) a draft that predicts well (SGLang's STANDALONE algorithm with SmolLM2 as its own draft
     model: the draft token is the model's own greedy next token, what a trained EAGLE-3 head
-    approximates) at budget 512: the needle cases dense answers are answered too. A random
+    approximates) at budget 512: the longest needle case (6000 tokens), which dense answers, is answered too. A random
     draft head gives no useful look-ahead (docs/benchmarks.md), so (b) does not use it.
 
 A separate module from tests/e2e/test_e2e.py so that module's servers are stopped first, and at most
@@ -128,7 +128,8 @@ def test_ngram_lookahead_is_exact_when_budget_covers_context(dense, ngram_full, 
     assert "prediction check: host" in line, line
 
 
-@pytest.mark.parametrize("tokens,depth", NEEDLE_CASES)
+# the longest case (test_e2e.py runs all three with the same budget; CI has 90 minutes)
+@pytest.mark.parametrize("tokens,depth", NEEDLE_CASES[-1:])
 def test_needle_budget_512_with_lookahead(dense, self_draft_512, tok, tokens, depth):
     p = needle.build(tok, tokens, depth)
     d = chat(dense.url, p.messages)

@@ -5,7 +5,7 @@ with its own engine, host tier share, summaries and working set; gloo collective
 (a) a budget covering the context: greedy output of ``--tp 3`` oasis equals ``--tp 1`` dense,
     except where dense's own top-2 log-probabilities nearly tie (TP sums the row-parallel
     layers' partial products in another order: bitwise equality is not SGLang's either);
-(b) budget 512 on needle prompts: the needle is found, with each rank's working set bounded;
+(b) budget 512 on the longest needle prompt: the needle is found, with each rank's working set bounded;
 (c) one ``OasisKV decode`` line per interval for the server (rank 0), not one per rank.
 The plugin sets SGLang's CPU environment for TP itself (``server_args._cpu_tp_env``): these
 servers start without ``SGLANG_NCCL_SO_PATH`` or ``SGLANG_CPU_OMP_THREADS_BIND``. A bad TP size
@@ -56,7 +56,7 @@ def test_tp3_oasis_equals_tp1_dense_when_the_budget_covers_the_context(model, to
 def test_tp3_needles_at_budget_512(model, tok, cpu_env_unset):
     srv = launch(model, 0, base_args() + TP + oasis_args(**NEEDLE_CFG), OUT / "tp3_oasis_512.log")
     try:
-        for tokens, depth in NEEDLE_CASES:
+        for tokens, depth in NEEDLE_CASES[-1:]:        # the longest (test_e2e.py runs all three)
             p = needle.build(tok, tokens, depth)
             assert len(needle.chat_ids(tok, p.messages)) >= 4 * 512
             o = chat(srv.url, p.messages)
