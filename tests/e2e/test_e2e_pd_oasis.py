@@ -18,7 +18,7 @@ One deployment (budget 512, block 8) for all four:
 - the prefill process killed mid-decode: the request ends with an error, the decode node's
   /health stays 200 and it serves a request from a new prefill node.
 
-Then (opt-in, ``OASIS_EAGLE_EXTRA=1``: CI's 90 minutes do not hold it) a second deployment with
+Then (opt-in, ``OASIS_E2E_EXTRA=1``: CI's 90 minutes do not hold it) a second deployment with
 EAGLE-3 on both nodes (the draft model's KV crosses whole): greedy output equals the dense server's.
 """
 
@@ -35,7 +35,7 @@ pytest.importorskip("sglang_router")
 
 from oasis_sglang import needle  # noqa: E402
 from oasis_sglang.models import essay_texts  # noqa: E402
-from oasis_sglang.testing.launch import base_args, check_port_free, free_port, launch, oasis_args  # noqa: E402
+from oasis_sglang.testing.launch import base_args, check_port_free, extra_e2e, free_port, launch, oasis_args  # noqa: E402
 from test_e2e import NEEDLE_CASES, NEEDLE_CFG, OUT, _exact_prompts, chat, generate_ids  # noqa: E402
 from test_e2e_pd import PD, start_router  # noqa: E402
 
@@ -237,8 +237,7 @@ def test_prefill_killed_mid_decode(model, tok, pd):
     assert ok is not None, "no request served after the prefill node restarted"
 
 
-@pytest.mark.skipif(os.environ.get("OASIS_EAGLE_EXTRA") != "1",
-                    reason="opt-in: OASIS_EAGLE_EXTRA=1 (a second PD deployment, ~6 min on 2 cores)")
+@pytest.mark.skipif(not extra_e2e(), reason="opt-in: OASIS_E2E_EXTRA=1 (a second PD deployment, ~6 min on 2 cores)")
 def test_eagle3_drafts_through_router_equal_dense(model, tok, pd):
     """EAGLE-3 on both nodes (random-weight draft head, ``predictor: lookahead``): the draft
     model's KV is sent whole by SGLang's transfer and counted at admission; the decode node's

@@ -20,6 +20,7 @@ import requests
 import torch
 
 from oasis_sglang.sglang_glue.fixes import spec_cpu as spec_fix
+from oasis_sglang.testing.launch import extra_e2e
 
 OUT = Path(os.environ.get("OASIS_TEST_OUT", Path(__file__).resolve().parents[2] / "out" / "tests"))
 EAGLE_ARGS = ["--speculative-algorithm", "EAGLE3", "--speculative-num-steps", "1",
@@ -247,11 +248,10 @@ def test_eagle3_greedy_equals_dense(servers):
 
 
 # ---------------------------------------------------------------------------------------------
-# opt-in (OASIS_EAGLE_EXTRA=1; one more server each, ~1-2 min on 2 cores)
+# opt-in (OASIS_E2E_EXTRA=1; one more server each, ~1-2 min on 2 cores)
 # ---------------------------------------------------------------------------------------------
 
-EXTRA = pytest.mark.skipif(os.environ.get("OASIS_EAGLE_EXTRA") != "1",
-                           reason="opt-in: OASIS_EAGLE_EXTRA=1 (starts one more SGLang server)")
+EXTRA = pytest.mark.skipif(not extra_e2e(), reason="opt-in: OASIS_E2E_EXTRA=1 (starts one more SGLang server)")
 
 
 def _eagle_server(name, draft, spec_args, env=None):
