@@ -156,6 +156,7 @@ class NixlTier:
 
     @property
     def closed(self) -> bool:
+        """Whether ``close`` ran (no NIXL agent, no registered memory)."""
         return self.agent is None
 
 
