@@ -64,6 +64,7 @@ from dataclasses import dataclass
 import torch
 
 from ..core import host_tier
+from ..core.devcopy import to_device
 from ..core.remote import RemoteBlocks
 from .admission import request_pages
 from .transport import NixlTier, PeerLostError, RemoteBlockFetcher, TierLayout
@@ -470,9 +471,9 @@ class DecodeSide:
         if adm is None:
             return
         self.remote.release(adm.pages)
-        pd = adm.pages.to(self.pool.pd_page_ids[0].device)
+        pd = to_device(adm.pages, self.pool.pd_page_ids[0].device)     # no wait for the step in flight
         for t in self.pool.pd_page_ids:
-            t[pd] = -1
+            t.index_fill_(0, pd, -1)
         if adm.peer in self.remote.lost:
             return
         try:

@@ -24,6 +24,8 @@ from collections.abc import Sequence
 
 import torch
 
+from .devcopy import to_device
+
 logger = logging.getLogger(__name__)
 
 
@@ -78,7 +80,7 @@ class PredictionRecord:
 
     def forget(self, rows) -> None:
         """Rows freed (or reallocated): nothing is predicted for them any more."""
-        self.seq[torch.as_tensor(rows, dtype=torch.int64, device=self.seq.device)] = -1
+        self.seq.index_fill_(0, to_device(rows, self.seq.device).reshape(-1), -1)   # no wait (devcopy)
         if self.host is not None:
             for r in torch.as_tensor(rows).reshape(-1).tolist():
                 self.host.pop(int(r), None)

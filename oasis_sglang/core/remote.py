@@ -41,6 +41,8 @@ from typing import Callable
 
 import torch
 
+from .devcopy import to_device
+
 logger = logging.getLogger(__name__)
 
 # fetch(peer, layer, heads [N], src_pages [N], dst_pages [N]) -> bytes read; raises on a lost peer
@@ -144,14 +146,8 @@ class RemoteBlocks:
         self._mirror(pages)
 
     def _to_device(self, x: torch.Tensor) -> torch.Tensor:
-        """A CPU tensor on the device without waiting for the device: on CUDA staged through
-        page-locked memory (PyTorch's caching host allocator keeps the buffer until its copy
-        ran) and copied ``non_blocking``. A copy from pageable memory first waits for every
-        kernel queued on the stream (CUDA's rule for pageable host-to-device copies), i.e. for
-        the step in flight under SGLang's overlap scheduler."""
-        if self.device.type != "cuda":
-            return x.to(self.device)
-        return x.pin_memory().to(self.device, non_blocking=True)
+        """A CPU tensor on the device without waiting for the step in flight (``devcopy.to_device``)."""
+        return to_device(x, self.device, x.dtype)
 
     def _mark_present_dev(self, layer: torch.Tensor, h: torch.Tensor, p: torch.Tensor) -> None:
         """``present_dev[layer[i], h[i], p[i]] = True`` (``[N]`` int64 CPU each; ``layer`` may
@@ -160,18 +156,19 @@ class RemoteBlocks:
         if self.present_dev is self.present:
             return
         flat = (layer * self.H + h) * self.P + p
-        self.present_dev.view(-1)[self._to_device(flat.reshape(-1))] = True
+        self.present_dev.view(-1).index_fill_(0, self._to_device(flat.reshape(-1)), True)
 
     def _mirror(self, pages: torch.Tensor) -> None:
         """Copy ``present`` of ``pages`` to the device and drop their deferred counts (the pages
         changed hands: a count of their previous request must not trigger a read)."""
         pd = self._to_device(pages)
         if self.present_dev is not self.present:
-            self.present_dev[:, :, pd] = self._to_device(self.present[:, :, pages].contiguous())
-        self.deferred[:, :, pd] = 0
+            self.present_dev.index_copy_(2, pd, self._to_device(self.present[:, :, pages].contiguous()))
+        # index_fill_, not ``t[:, :, pd] = 0``: a scalar set by indexing is copied from pageable memory
+        self.deferred.index_fill_(2, pd, 0)
         if self._lag:
             for snap in self._snap:
-                snap[:, :, pd] = 0
+                snap.index_fill_(2, pd, 0)
 
     def release(self, pages: torch.Tensor) -> None:
         """Pages freed (the request ended): they are this node's own again. Waits first for

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .devcopy import to_device
+
 
 @dataclass
 class Admission:
@@ -69,10 +71,11 @@ class WorkingSet:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
     def reset_rows(self, rows) -> None:
-        """Free every slot of the given request rows (request finished or row reallocated)."""
-        rows = torch.as_tensor(rows, dtype=torch.int64, device=self.ids.device)
-        self.ids[:, rows] = -1
-        self.last_used[:, rows] = 0
+        """Free every slot of the given request rows (request finished or row reallocated).
+        Does not wait for the device (``devcopy``)."""
+        rows = to_device(rows, self.ids.device).reshape(-1)
+        self.ids.index_fill_(1, rows, -1)
+        self.last_used.index_fill_(1, rows, 0)
 
     def drop_blocks_from(self, layer: int, rows: torch.Tensor, first_block: torch.Tensor) -> None:
         """Free the slots of blocks ``>= first_block[b]`` of request row ``rows[b]`` (``[B]``):

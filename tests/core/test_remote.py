@@ -129,10 +129,23 @@ def test_cuda_reads_the_counts_one_call_late_without_waiting_for_the_step():
     """On CUDA ``service`` starts the reads of the plans queued before its previous call (their
     snapshot has ended), not of the step in flight; a page changing hands drops its snapshot
     counts too."""
+    from oasis_sglang.core.prediction import PredictionRecord
+    from oasis_sglang.core.working_set import WorkingSet
+
     reads = Reads()
     rb = RemoteBlocks(2, 1, 8, fetch=lambda *a: 0, device="cuda", post=reads.post, poll=reads.poll)
     rb.admit(torch.tensor([3, 4]), "A", torch.tensor([30, 40]))
-    rb.deferred[1, 0, 3] += 1                         # a plan of step t
+    rb.deferred[1, 0, 3] += 1
+    ws = WorkingSet(2, 3, 1, 4, 8, 16, 16, torch.float16, "cuda")
+    ws.ids.fill_(7)
+    ws.last_used.fill_(3)
+    rec = PredictionRecord(3, "cuda")
+    rec.seq.copy_(torch.tensor([5, 6, 9]))
+    # the first call of an index op on a new stream or size allocates device memory (cudaMalloc
+    # waits); SGLang's steps run many times, so warm once as a server would be
+    ws.reset_rows([2])
+    rec.forget([2])
+    rec.seq[2] = 9                         # a plan of step t
     rb.service()                                      # start of t + 1: snapshot taken, nothing read yet
     assert not reads.started and int(rb.deferred.sum()) == 0
     rb.deferred[0, 0, 4] += 1                         # a plan of step t + 1
@@ -192,22 +205,53 @@ def test_the_device_copy_of_presence_follows_reads_admissions_and_releases():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="streams exist only on CUDA")
 def test_cuda_bookkeeping_does_not_wait_for_the_step_in_flight():
     """SGLang's overlap scheduler keeps the GPU a step ahead: marking ended reads present,
-    admitting and releasing pages must not wait for the kernels queued on the stream (a copy
-    from pageable host memory would)."""
+    admitting and releasing pages, freeing a finished request's working-set row and its
+    prediction record must not wait for the kernels queued on the stream (a copy from pageable
+    host memory, or ``t[idx] = scalar``, would: 0.5 s each on the H200, ``core/devcopy.py``)."""
+    from oasis_sglang.core.prediction import PredictionRecord
+    from oasis_sglang.core.working_set import WorkingSet
+
     reads = Reads()
     rb = RemoteBlocks(2, 1, 8, fetch=lambda *a: 0, device="cuda", post=reads.post, poll=reads.poll)
-    rb.admit(torch.tensor([3, 4]), "A", torch.tensor([30, 40]))
-    rb.deferred[1, 0, 3] += 1
-    rb.service()
-    rb.service()                                        # step t's counts: the read starts
-    reads.started[0].done = True
-    torch.cuda.synchronize()
-    torch.cuda._sleep(2_000_000_000)                    # about a second of GPU time: the step in flight
-    busy = torch.cuda.Event()
-    busy.record()
-    rb.service()                                        # marks the ended read's piece present
-    rb.admit(torch.tensor([5]), "A", torch.tensor([50]))
-    rb.release(torch.tensor([4]))
-    assert not busy.query(), "the bookkeeping waited for the kernels queued before it"
-    torch.cuda.synchronize()
-    assert torch.equal(rb.present_dev.cpu(), rb.present) and bool(rb.present[1, 0, 3])
+    ws = WorkingSet(2, 3, 1, 4, 8, 16, 16, torch.float16, "cuda")
+    rec = PredictionRecord(3, "cuda")
+
+    def cycle(page, row, step_in_flight):
+        """A request on ``page`` (and ``page + 1``, admitted later) in ``row``: one piece read
+        and marked present, the pages released, the row freed. Returns what waited."""
+        rb.admit(torch.tensor([page]), "A", torch.tensor([10 * page]))
+        rb.deferred[1, 0, page] += 1
+        rb.service()
+        rb.service()                                    # step t's counts (read one call late): the read starts
+        reads.started[-1].done = True
+        ws.ids[:, row] = 7
+        rec.seq[row] = 5
+        torch.cuda.synchronize()
+        if step_in_flight:
+            torch.cuda._sleep(2_000_000_000)            # about a second of GPU time: the step in flight
+        busy = torch.cuda.Event()
+        busy.record()
+        waited = {}
+        rb.service()                                    # marks the ended read's piece present
+        waited["service"] = busy.query()
+        rb.admit(torch.tensor([page + 1]), "A", torch.tensor([10 * page + 10]))
+        waited["admit"] = busy.query()
+        rb.release(torch.tensor([page, page + 1]))
+        waited["release"] = busy.query()
+        ws.reset_rows([row])                            # the request finished: its row's slots freed
+        waited["WorkingSet.reset_rows"] = busy.query()
+        rec.forget([row])
+        waited["PredictionRecord.forget"] = busy.query()
+        torch.cuda.synchronize()
+        return waited
+
+    # once without a step in flight: the first launch of each kernel loads its module (CUDA's
+    # lazy loading), which waits for the device; a server has run them all after its first requests
+    cycle(2, 0, False)
+    ws.ids[:, 2] = 9
+    waited = cycle(4, 1, True)
+    assert not any(waited.values()), f"waited for the kernels queued before it: {waited}"
+    assert torch.equal(rb.present_dev.cpu(), rb.present) and bool(rb.present.all())
+    assert len(reads.started) == 2 and not rb.pending
+    assert bool((ws.ids[:, :2] == -1).all()) and bool((ws.ids[:, 2] == 9).all()) and int(ws.last_used.sum()) == 0
+    assert rec.seq.tolist() == [-1, -1, -1]
