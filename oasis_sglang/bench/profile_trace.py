@@ -110,11 +110,16 @@ def _union(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+OTHER_TOP = 12        # kernels of group "other" listed by name in the summary
+
+
 def summarize(events: list[tuple[str, object, float, float]], steps: int) -> dict:
     """Per-step device time of ``steps`` forward passes (see the module docstring).
 
     Returns ``{"steps", "kernels", "window_ms", "busy_ms", "idle_ms", "busy_frac", "groups_ms":
-    {group: ms per step}, "streams_ms": {stream: ms per step}}``; times are per step.
+    {group: ms per step}, "streams_ms": {stream: ms per step}, "other_top_ms": {kernel name (first
+    120 characters): ms per step}}`` (``other_top_ms``: the ``OTHER_TOP`` kernels of group "other" with
+    the most time); times are per step.
     Raises:
         ValueError: no GPU events, or ``steps`` < 1.
     """
@@ -127,16 +132,20 @@ def summarize(events: list[tuple[str, object, float, float]], steps: int) -> dic
     busy = _union([(s, s + d) for _, _, s, d in events])
     groups: dict[str, float] = {}
     streams: dict[str, float] = {}
+    other: dict[str, float] = {}
     for name, stream, _, d in events:
         g = group_of(name)
         groups[g] = groups.get(g, 0.0) + d
+        if g == "other":
+            other[name[:120]] = other.get(name[:120], 0.0) + d
         streams[str(stream)] = streams.get(str(stream), 0.0) + d
     per = lambda us: us / 1e3 / steps  # noqa: E731
     window = t1 - t0
     return {"steps": steps, "kernels": len(events), "window_ms": per(window), "busy_ms": per(busy),
             "idle_ms": per(window - busy), "busy_frac": busy / window if window > 0 else 1.0,
             "groups_ms": {g: per(v) for g, v in sorted(groups.items(), key=lambda kv: -kv[1])},
-            "streams_ms": {s: per(v) for s, v in sorted(streams.items(), key=lambda kv: -kv[1])}}
+            "streams_ms": {s: per(v) for s, v in sorted(streams.items(), key=lambda kv: -kv[1])},
+            "other_top_ms": {k: per(v) for k, v in sorted(other.items(), key=lambda kv: -kv[1])[:OTHER_TOP]}}
 
 
 def markdown(s: dict, title: str = "decode step") -> str:
@@ -149,6 +158,9 @@ def markdown(s: dict, title: str = "decode step") -> str:
         md.append(f"| {g} | {v:.3f} | {share(v)} |")
     md += ["", "| stream | kernel ms per step |", "|---|---|"]
     md += [f"| {k} | {v:.3f} |" for k, v in s["streams_ms"].items()]
+    if s.get("other_top_ms"):
+        md += ["", '| kernel in "other" | ms per step |', "|---|---|"]
+        md += [f"| `{k.replace('|', '/')}` | {v:.3f} |" for k, v in s["other_top_ms"].items()]
     return "\n".join(md)
 
 

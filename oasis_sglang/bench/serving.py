@@ -291,20 +291,24 @@ def kv_heads_of(model: str | os.PathLike) -> int | None:
     return n if isinstance(n, int) and n > 0 else None
 
 
-def steady_running(log: str, lines_needed: int = 3) -> int | None:
+def steady_running(log: str, lines_needed: int = 3, min_running: int = 1) -> int | None:
     """The running-request count once the decode phase is steady: the last ``lines_needed``
-    ``Decode batch`` lines show the same count, and no earlier line showed more. None before."""
+    ``Decode batch`` lines show the same count, at least ``min_running``, and no earlier line
+    showed more. None before. (``bench_serving`` first sends one warm-up request alone: its
+    lines are steady at 1, so a batch of several passes ``min_running=2``.)"""
     counts = [int(n) for n, _ in DECODE.findall(log)]
-    if len(counts) < lines_needed or len(set(counts[-lines_needed:])) != 1 or counts[-1] < max(counts):
+    if len(counts) < lines_needed or len(set(counts[-lines_needed:])) != 1 or counts[-1] < max(counts) \
+            or counts[-1] < min_running:
         return None
     return counts[-1]
 
 
 def profile_steady_decode(srv, tag: str, steps: int, tdir: Path, done, timeout: float = 600,
-                          grace: float = 60) -> dict:
+                          grace: float = 60, min_running: int = 1) -> dict:
     """Once ``srv``'s decode phase is steady (``steady_running``), ask SGLang's profiler for
     ``steps`` forward passes of GPU activity (``POST /start_profile``) and summarise the trace
-    (``profile_trace.summarize``). Runs in a thread beside ``bench_serving``.
+    (``profile_trace.summarize``). Runs in a thread beside ``bench_serving``. ``min_running``:
+    the fewest running requests that count as the run's decode phase (``steady_running``).
 
     Returns ``{}`` when the benchmark ended (``done`` set) before a steady phase, else the
     summary plus ``running`` (requests running when it started), or ``{"error": ...}``: the
@@ -316,7 +320,7 @@ def profile_steady_decode(srv, tag: str, steps: int, tdir: Path, done, timeout: 
     t0 = time.time()
     start = len(srv.log())              # only the benchmark's decode lines (not the warm-up request's)
     while not done.is_set() and time.time() - t0 < timeout:
-        n = steady_running(srv.log()[start:])
+        n = steady_running(srv.log()[start:], min_running=min_running)
         if n:
             break
         time.sleep(0.5)
@@ -437,7 +441,8 @@ def run_one(run: Run, a, out: Path, srv=None) -> dict:
             tag = run.key.replace("/", "_")
             done = threading.Event()
             th = threading.Thread(target=lambda: prof.update(
-                profile_steady_decode(srv, tag, a.profile_steps, out / ".traces", done)), daemon=True)
+                profile_steady_decode(srv, tag, a.profile_steps, out / ".traces", done,
+                                      min_running=2 if run.batch > 1 else 1)), daemon=True)
             th.start()
         try:
             res.update(bench_serving(srv.url, run, out, a.timeout))

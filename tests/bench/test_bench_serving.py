@@ -310,6 +310,10 @@ def test_steady_running_waits_for_the_decode_phase(bench):
     assert bench.steady_running(log) is None                     # two lines at 8: not yet
     assert bench.steady_running(log + "\n" + line.format(8)) == 8
     assert bench.steady_running(log + "\n" + "\n".join(line.format(5) for _ in range(3))) is None   # past the peak
+    # bench_serving's warm-up request runs alone first (the 4K profile of 2026-12-04 caught it)
+    warm = "\n".join(line.format(1) for _ in range(6))
+    assert bench.steady_running(warm) == 1 and bench.steady_running(warm, min_running=2) is None
+    assert bench.steady_running(warm + "\n" + "\n".join(line.format(158) for _ in range(3)), min_running=2) == 158
 
 
 def _trace(tmp_path, events, gz=True):
@@ -336,10 +340,12 @@ def test_profile_trace_splits_device_time(tmp_path):
     ev = [k("nvjet_tst_128x64", 7, 0, 400), k("_fwd_grouped_kernel_stage1", 7, 400, 100),
           k("_stage1", 7, 600, 100), k("_score_kernel", 20, 450, 200),          # overlaps the compute stream
           k("_copy_rows_kernel", 21, 900, 100),                                  # idle from 700 to 900
+          k("void at::native::reduce_kernel<512, 1, or>", 21, 950, 30), k("void at::native::reduce_kernel<512, 1, or>", 21, 990, 10),
+          k("my_kernel", 21, 985, 4),
           {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5000},
           {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD", "ts": 1000, "dur": 0, "args": {"stream": 7}}]
     s = pt.summarize(pt.load_gpu_events(_trace(tmp_path, ev)), steps=2)
-    assert s["kernels"] == 6
+    assert s["kernels"] == 9
     assert s["window_ms"] == pytest.approx(1.0 / 2)                # 0 .. 1000 us over 2 steps
     assert s["busy_ms"] == pytest.approx(0.8 / 2)                  # [0, 700) and [900, 1000)
     assert s["idle_ms"] == pytest.approx(0.2 / 2) and s["busy_frac"] == pytest.approx(0.8)
@@ -349,6 +355,11 @@ def test_profile_trace_splits_device_time(tmp_path):
     assert g["H2D copy"] == pytest.approx(0.05)
     assert s["streams_ms"]["7"] == pytest.approx(0.3)
     assert "| scoring | 0.100 |" in pt.markdown(s)
+    # group "other", kernel by kernel, the most time first
+    assert list(s["other_top_ms"].items()) == [("void at::native::reduce_kernel<512, 1, or>", pytest.approx(0.02)),
+                                               ("my_kernel", pytest.approx(0.002))]
+    assert g["other"] == pytest.approx(0.022)
+    assert "| `void at::native::reduce_kernel<512, 1, or>` | 0.020 |" in pt.markdown(s)
 
 
 def test_profile_trace_rejects_what_it_cannot_read(tmp_path, capsys):
