@@ -73,7 +73,7 @@ class PrefetchStages:
                                               cfg.sink_blocks, cfg.recent_blocks, nb_max, cfg.budget_blocks)
         churn = self.bench.churn_mean(li, self.ws.L)
         if churn is not None:        # benchmarks: a measured admission rate instead of random weights'
-            wanted, forced = replay_churn(wanted, forced, self.ws.ids[li][rows], churn, seq, salt=li)
+            wanted, forced = replay_churn(wanted, forced, self.ws.ids[li][rows], churn, seq, salt=li, nb_max=nb_max)
         return wanted, forced
 
     @property

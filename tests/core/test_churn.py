@@ -11,7 +11,7 @@ import torch
 from oasis_sglang.config import OasisConfigError
 from oasis_sglang.core import OasisSparseKV
 from oasis_sglang.core.bench_hooks import BenchHooks
-from oasis_sglang.core.churn import load_profile, replay_churn, resample
+from oasis_sglang.core.churn import in_set_bitmap, in_set_pairwise, load_profile, replay_churn, resample
 from oasis_sglang.core.selection import select_blocks
 from oasis_sglang.core.working_set import plan_admissions
 
@@ -71,6 +71,25 @@ def test_replay_misses_the_asked_number_of_resident_blocks(seed, mean):
                 missing_total += m
                 heads += 1
     assert abs(missing_total / heads - mean) <= 0.35, "the dither averages to the mean"
+
+
+def test_bitmap_membership_equals_the_pairwise_reference(seed):
+    """in_set_bitmap (what the benchmarks' replay runs, O(K) per row) is exactly in_set_pairwise
+    (K * K compares) for ids below nb_max, with -1 / -2 padding and ids of the set at or past
+    nb_max; and replay_churn gives the same lists either way."""
+    g = torch.Generator().manual_seed(seed)
+    nb = 50
+    for _ in range(20):
+        x = torch.randint(-2, nb, (3, 4, 16), generator=g)
+        t = torch.randint(-2, nb + 8, (3, 4, 16), generator=g)        # a held id may lie past nb_max
+        assert torch.equal(in_set_bitmap(x, t, nb), in_set_pairwise(x, t))
+    for mean in (0.0, 2.5, 9.0):
+        held, wanted, forced = _full_layer(seed, nb=60)
+        held[0, 0, :3] = -1                                             # a filling working set
+        seq = torch.arange(wanted.shape[0]) + 300
+        ref = replay_churn(wanted, forced, held, mean, seq, salt=5)
+        got = replay_churn(wanted, forced, held, mean, seq, salt=5, nb_max=60)
+        assert torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1]), mean
 
 
 def test_replayed_predictions_go_through_the_real_plan(seed):
