@@ -98,8 +98,84 @@ class TierLayout:
         return None
 
 
+PROGRESS_DELAY_ENV = "OASIS_NIXL_PROGRESS_DELAY_US"
+CPU_PROGRESS_DELAY_US = 100
+_progress_delay = {"us": 0, "installed": False}
+
+
+def progress_delay_us(cpu: bool) -> int:
+    """The pause (microseconds) NIXL's progress threads take between polls in this process:
+    ``$OASIS_NIXL_PROGRESS_DELAY_US`` when set, else ``CPU_PROGRESS_DELAY_US`` (100) on the CPU
+    engine and 0 (NIXL's own: it spins) with a GPU.
+
+    Why: nixl's Python API (1.5.1, ``nixl_agent.__init__``) fixes ``pthrDelay = 0``, so every
+    agent's progress thread busy-polls a whole core for as long as the agent lives. A PD pair
+    on one host has four agents (SGLang's and OasisKV's on each node): on a 2-core machine the
+    servers got about a third of the CPU. With 100 us two idle agents used 0.11 CPU s per 3 s
+    instead of 5.94, and a READ of 86 x 4 KiB pieces over UCX loopback took 0.24 ms instead of
+    0.15 (median of 20; docs/benchmarks/2026-12-04_bookkeeping-nowait-and-4k-profile-h200.md).
+
+    Raises:
+        ValueError: the variable is not an integer in 0..1000000, naming it.
+    """
+    import os
+
+    raw = os.environ.get(PROGRESS_DELAY_ENV)
+    if raw is None or raw.strip() == "":
+        return CPU_PROGRESS_DELAY_US if cpu else 0
+    try:
+        us = int(raw)
+    except ValueError:
+        us = -1
+    if not 0 <= us <= 1_000_000:
+        raise ValueError(f"{PROGRESS_DELAY_ENV}={raw!r}: want an integer number of microseconds in 0..1000000 "
+                         f"(0: NIXL's own busy polling)")
+    return us
+
+
+def set_progress_delay(us: int) -> bool:
+    """Make NIXL agents created from now on in this process pause ``us`` microseconds between
+    progress polls (``progress_delay_us``): nixl's Python API sets the agent config's
+    ``pthrDelay`` to 0, so its config class (in nixl's bindings) is replaced by a subclass that
+    keeps ``pthrDelay`` at least ``us``. SGLang's own agents (``NixlKVManager``) are made
+    the same way (``sglang_glue/fixes/pd_cpu.py`` calls this before they are).
+
+    Returns: whether the delay is in effect (False for 0 or when this nixl has no ``pthrDelay``).
+    """
+    import sys
+
+    from nixl._api import nixl_agent   # lazy: nixl is the [disagg] extra
+
+    _progress_delay["us"] = int(us)
+    if _progress_delay["installed"] or us <= 0:
+        return bool(_progress_delay["installed"] and us > 0)
+    bind = getattr(sys.modules[nixl_agent.__module__], "nixlBind", None)
+    base = getattr(bind, "nixlAgentConfig", None)
+    if base is None or not hasattr(base, "pthrDelay"):
+        logger.warning("OasisKV PD: this nixl has no nixlAgentConfig.pthrDelay; its progress threads keep "
+                       "busy-polling a core each")
+        return False
+
+    class _Config(base):
+        """nixl's agent config with ``pthrDelay`` kept at least the delay set here."""
+
+        @property
+        def pthrDelay(self):  # noqa: N802 - nixl's name
+            return base.pthrDelay.__get__(self)
+
+        @pthrDelay.setter
+        def pthrDelay(self, v):  # noqa: N802
+            base.pthrDelay.__set__(self, max(int(v), _progress_delay["us"]))
+
+    bind.nixlAgentConfig = _Config
+    _progress_delay["installed"] = True
+    return True
+
+
 def _agent(name: str, backends=("UCX",)):
     from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t   # lazy: nixl is the [disagg] extra
+
+    set_progress_delay(progress_delay_us(cpu=not torch.cuda.is_available()))
 
     # STRICT: the reader thread (RemoteBlockFetcher) and the scheduler's thread (notifications,
     # peers) call one agent

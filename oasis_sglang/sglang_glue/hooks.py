@@ -69,7 +69,8 @@ HOOKS: tuple[Hook, ...] = (
     # SGLang's PD mode (NIXL) on the CPU engine (any --kv-sparse; no-ops off CPU: see fixes/pd_cpu.py)
     Hook("sglang.srt.disaggregation.nixl.conn.NixlKVManager.__init__", "BEFORE",
          "oasis_sglang.sglang_glue.fixes.pd_cpu:nixl_manager_init_hook",
-         "CPU engine: register the KV pool with NIXL as DRAM, not VRAM"),
+         "CPU engine: register the KV pool with NIXL as DRAM, not VRAM, and pause NIXL's progress thread "
+         "between polls (nixl's Python API fixes pthrDelay = 0: a core spun per agent)"),
     Hook("sglang.srt.disaggregation.prefill.SchedulerDisaggregationPrefillMixin.maybe_send_cached_prefix_chunk",
          "AROUND", "oasis_sglang.sglang_glue.fixes.pd_cpu:early_send_hook",
          "CPU engine: skip the optional early send of a cached prefix (it records a CUDA event)"),

@@ -314,3 +314,40 @@ def test_an_idle_reader_thread_ends_and_a_closed_tier_lets_go_of_its_agent(pair,
     assert len(os.listdir("/proc/self/task")) < tasks, "closing both tiers ended none of NIXL's threads"
     with pytest.raises(RuntimeError, match="closed"):
         f.local.layout()
+
+
+def test_agents_pause_between_progress_polls_on_the_cpu_engine(monkeypatch, seed):
+    """nixl's Python API fixes the progress thread's pause at 0: each live agent spun a core
+    (two agents: 5.94 CPU s per 3 s). With the CPU engine's 100 us pause two live agents stay
+    far below one core, and a read still ends."""
+    monkeypatch.delenv("OASIS_NIXL_PROGRESS_DELAY_US", raising=False)
+    if torch.cuda.is_available():
+        monkeypatch.setenv("OASIS_NIXL_PROGRESS_DELAY_US", "100")      # a GPU host keeps NIXL's 0 by default
+    src, ns = tier(f"pf-delay-{seed}")
+    dst, nd = tier(f"dc-delay-{seed}", fill=False)
+    f = RemoteBlockFetcher(nd, timeout_s=5)
+    try:
+        f.add_peer(TierLayout.from_bytes(ns.layout().to_bytes()))
+        t0 = time.process_time()
+        time.sleep(2.0)
+        used = time.process_time() - t0
+        assert used < 0.5, f"two idle NIXL agents used {used:.2f} CPU s in 2 s (a spinning progress thread uses 2)"
+        f.fetch(ns.name, 1, torch.tensor([0, 2]), torch.tensor([5, 6]), torch.tensor([7, 8]))
+        assert torch.equal(dst.k[1][0, 7], src.k[1][0, 5]) and torch.equal(dst.v[1][2, 8], src.v[1][2, 6])
+    finally:
+        f.close()
+        nd.close()
+        ns.close()
+
+
+@pytest.mark.parametrize("raw", ["abc", "-1", "2000000", "1.5"])
+def test_a_bad_progress_delay_is_refused_naming_the_variable(monkeypatch, raw):
+    from oasis_sglang.disagg.transport import progress_delay_us
+
+    monkeypatch.setenv("OASIS_NIXL_PROGRESS_DELAY_US", raw)
+    with pytest.raises(ValueError, match="OASIS_NIXL_PROGRESS_DELAY_US"):
+        progress_delay_us(cpu=True)
+    monkeypatch.setenv("OASIS_NIXL_PROGRESS_DELAY_US", "0")
+    assert progress_delay_us(cpu=True) == 0
+    monkeypatch.delenv("OASIS_NIXL_PROGRESS_DELAY_US")
+    assert progress_delay_us(cpu=True) == 100 and progress_delay_us(cpu=False) == 0

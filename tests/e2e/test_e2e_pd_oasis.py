@@ -34,9 +34,8 @@ pytest.importorskip("nixl")
 pytest.importorskip("sglang_router")
 
 from oasis_sglang import needle  # noqa: E402
-from oasis_sglang.models import essay_texts  # noqa: E402
 from oasis_sglang.testing.launch import base_args, check_port_free, extra_e2e, free_port, launch, oasis_args  # noqa: E402
-from test_e2e import NEEDLE_CASES, NEEDLE_CFG, OUT, _exact_prompts, chat, generate_ids  # noqa: E402
+from test_e2e import NEEDLE_CASES, NEEDLE_CFG, OUT, chat, dense_reference, generate_ids, short_prompts  # noqa: E402
 from test_e2e_pd import PD, start_router  # noqa: E402
 
 pytestmark = pytest.mark.e2e
@@ -97,29 +96,10 @@ def pd(model):
     d.stop()
 
 
-def short_prompts(tok):
-    """Prompts the budget (512 tokens) covers with 24 new tokens: ending mid-block and on one."""
-    ids = tok.encode(essay_texts()[3][1], add_special_tokens=False)
-    return [_exact_prompts(tok)[0], ids[:301], ids[:464]]
-
-
-_DENSE = {}      # the dense server's greedy ids of short_prompts, for the speculative deployment too
-
-
-def dense_reference(model, prompts, n_new):
-    if not _DENSE:
-        srv = launch(model, 0, base_args(), OUT / "pd_oasis_ref_dense.log")
-        try:
-            _DENSE["ids"] = [generate_ids(srv.url, p, n_new) for p in prompts]
-        finally:
-            srv.stop()
-    return _DENSE["ids"]
-
-
 def test_greedy_through_router_equals_dense(model, tok, pd):
     prompts = short_prompts(tok)
     n_new = 24
-    ref = dense_reference(model, prompts, n_new)
+    ref = [r[0] for r in dense_reference(model, prompts, n_new)]
     with cf.ThreadPoolExecutor(len(prompts)) as ex:        # together: the decode node runs them batched
         got = list(ex.map(lambda p: generate_ids(pd.url, p, n_new), prompts))
     for p, r, g in zip(prompts, ref, got):
@@ -135,6 +115,31 @@ def test_greedy_through_router_equals_dense(model, tok, pd):
     assert "Testing retraction" in dlog and "OasisKV PD: request" in dlog and " retracted " in dlog, \
         "no request was retracted"
     assert len(admitted) > len(prompts), admitted
+
+
+def test_idle_nodes_do_not_spin_the_cpu(pd):
+    """Between requests neither node's processes use a core: nixl's Python API makes each NIXL
+    agent's progress thread spin (``pthrDelay = 0``), four agents on a PD pair (SGLang's and
+    OasisKV's on each node); on the CPU engine they pause 100 us between polls
+    (``disagg.transport.set_progress_delay``, via ``fixes/pd_cpu.py`` for SGLang's)."""
+    import psutil
+
+    def tree_cpu(pid):
+        ps = [psutil.Process(pid)] + psutil.Process(pid).children(recursive=True)
+        total = 0.0
+        for p in ps:
+            try:
+                t = p.cpu_times()
+                total += t.user + t.system
+            except psutil.NoSuchProcess:
+                pass
+        return total
+
+    time.sleep(2)                          # let the last request's work end
+    before = {n: tree_cpu(getattr(pd, n).proc.pid) for n in ("pf", "dc")}
+    time.sleep(4)
+    used = {n: tree_cpu(getattr(pd, n).proc.pid) - before[n] for n in ("pf", "dc")}
+    assert all(u < 1.0 for u in used.values()), f"CPU seconds in 4 s of idle: {used} (a spinning agent: 4 each)"
 
 
 def test_prefill_pages_are_released_by_the_decode_node(tok, pd):
@@ -254,7 +259,7 @@ def test_eagle3_drafts_through_router_equal_dense(model, tok, pd):
     d = Deployment(model, cfg, "pd_oasis_eagle3", prefill_rows=4, spec=spec, retract=False)
     try:
         prompts = short_prompts(tok)
-        ref = dense_reference(model, prompts, 24)
+        ref = [r[0] for r in dense_reference(model, prompts, 24)]
         with cf.ThreadPoolExecutor(len(prompts)) as ex:
             got = list(ex.map(lambda p: generate_ids(d.url, p, 24), prompts))
         for p, r, g in zip(prompts, ref, got):

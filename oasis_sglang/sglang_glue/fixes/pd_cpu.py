@@ -11,7 +11,12 @@ with ``--device cpu`` (SGLang 0.5.17, nixl 1.5.1 over UCX loopback, behind sglan
   fails without CUDA. The early send is optional (SGLang's final send covers the range), so on
   CPU it is skipped, as SGLang itself skips it for DCP pages.
 
-Both hooks are listed in ``hooks.HOOKS`` and act only when the server runs on the CPU.
+- nixl's Python API makes every agent's progress thread spin a core (``pthrDelay = 0``); a PD
+  pair on one 2-core machine has four agents. On CPU the agents pause 100 us between polls
+  (``disagg.transport.set_progress_delay``).
+
+The hooks are listed in ``hooks.HOOKS`` and act only when the server runs on the CPU (the
+progress delay also wherever ``$OASIS_NIXL_PROGRESS_DELAY_US`` is set).
 """
 
 from __future__ import annotations
@@ -23,9 +28,14 @@ def _on_cpu(server_args) -> bool:
 
 def nixl_manager_init_hook(self, args, disaggregation_mode, server_args, *rest, **kwargs):
     """BEFORE ``NixlKVManager.__init__(args: KVArgs, mode, server_args, ...)``: on CPU the KV
-    buffers (``args.kv_data_ptrs``) are registered as ``DRAM``."""
+    buffers (``args.kv_data_ptrs``) are registered as ``DRAM``, and the NIXL agent it creates
+    pauses between progress polls instead of spinning a core (``disagg.transport.progress_delay_us``;
+    ``$OASIS_NIXL_PROGRESS_DELAY_US`` sets it on a GPU host too)."""
+    from oasis_sglang.disagg.transport import progress_delay_us, set_progress_delay
+
     if _on_cpu(server_args):
         args.kv_data_mem_kinds = ["DRAM"] * len(args.kv_data_ptrs)
+    set_progress_delay(progress_delay_us(cpu=_on_cpu(server_args)))
     return None
 
 
