@@ -90,6 +90,33 @@ def chat(url, messages, max_tokens=24):
     return r.json()["choices"][0]["message"]["content"]
 
 
+_DENSE_REF: dict = {}     # (prompt ids, n_new) -> generate_ids(top2=True) of a dense server (base_args())
+
+
+def dense_reference(model, prompts, n_new, name="dense_ref"):
+    """A dense server's greedy ``(ids, top-2 gaps, second-best ids)`` per prompt
+    (``generate_ids(top2=True)``, one prompt at a time: no batch effects), computed once per
+    test session: the PD and TP files compare with the same short prompts, and a server start
+    costs about a minute on a 2-core machine. Starts a dense server only for prompts not seen yet
+    (log ``OUT/<name>.log``) and stops it before returning."""
+    todo = [p for p in prompts if (tuple(p), n_new) not in _DENSE_REF]
+    if todo:
+        srv = launch(model, 0, base_args(), OUT / f"{name}.log")
+        try:
+            for p in todo:
+                _DENSE_REF[(tuple(p), n_new)] = generate_ids(srv.url, p, n_new, top2=True)
+        finally:
+            srv.stop()
+    return [_DENSE_REF[(tuple(p), n_new)] for p in prompts]
+
+
+def short_prompts(tok):
+    """Prompts budget 512 covers with 24 new tokens, ending mid-block and on one (block 8):
+    the chat prompt, 301 and 464 essay tokens."""
+    ids = tok.encode(essay_texts()[3][1], add_special_tokens=False)
+    return [_exact_prompts(tok)[0], ids[:301], ids[:464]]
+
+
 def _exact_prompts(tok):
     essay = essay_texts()[3][1]
     ids = tok.encode(essay, add_special_tokens=False)
