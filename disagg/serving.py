@@ -64,7 +64,6 @@ from dataclasses import dataclass
 import torch
 
 from ..core import host_tier
-from ..core.devcopy import to_device
 from ..core.remote import RemoteBlocks
 from .admission import request_pages
 from .transport import NixlTier, PeerLostError, RemoteBlockFetcher, TierLayout
@@ -133,7 +132,8 @@ class PrefillSide:
     role = "prefill"
 
     def __init__(self, engine, lease_s: float, tp_rank: int = 0):
-        self.tier = NixlTier(engine.host.k, engine.host.v, agent_name("prefill", tp_rank))
+        self.tier = NixlTier(engine.host.k, engine.host.v, agent_name("prefill", tp_rank),
+                             cpu_engine=engine.device.type == "cpu")
         self.lease_s = float(lease_s)
         self.leases: dict[int, Lease] = {}
         self.released = self.expired = 0
@@ -255,7 +255,8 @@ class DecodeSide:
                  free_pages=None):
         self.engine, self.pool = engine, pool
         self.free_pages = free_pages
-        self.tier = NixlTier(engine.host.k, engine.host.v, agent_name("decode", tp_rank))
+        self.tier = NixlTier(engine.host.k, engine.host.v, agent_name("decode", tp_rank),
+                             cpu_engine=engine.device.type == "cpu")
         self.fetcher = RemoteBlockFetcher(self.tier, timeout_s=read_timeout_s)
         self.remote = RemoteBlocks(len(engine.sparse_layers), engine.head_num, engine.host.num_pages,
                                    fetch=self.fetcher.fetch, device=engine.device,
@@ -387,7 +388,14 @@ class DecodeSide:
         pages = request_pages(req_to_token_row, prompt_len, self.engine.bs)
         pd = pages.to(self.pool.pd_page_ids[0].device)
         src = self.pool.pd_page_ids[0][pd].to("cpu")
-        if bool((src < 0).any()) or not torch.equal(src, self.pool.pd_page_ids[1][pd].to("cpu")):
+        src2 = self.pool.pd_page_ids[1][pd].to("cpu")
+        # cleared here, once read (the reads above waited for the stream), not when the request
+        # ends: a clear queued then runs after the step in flight, and by then SGLang may have
+        # given the pages to the next request, whose transfer (written by the prefill node, not
+        # by stream work) it would wipe
+        for t in self.pool.pd_page_ids:
+            t.index_fill_(0, pd, -1)
+        if bool((src < 0).any()) or not torch.equal(src, src2):
             raise ValueError("OasisKV PD: the transfer did not carry the prefill node's page numbers (is the prefill "
                              "node running --kv-sparse oasis with the same block_size and dense_layers?)")
         if int(src.max()) >= self.fetcher.peers[peer].num_pages:
@@ -470,10 +478,7 @@ class DecodeSide:
         adm = self.rows.pop(int(row), None)
         if adm is None:
             return
-        self.remote.release(adm.pages)
-        pd = to_device(adm.pages, self.pool.pd_page_ids[0].device)     # no wait for the step in flight
-        for t in self.pool.pd_page_ids:
-            t.index_fill_(0, pd, -1)
+        self.remote.release(adm.pages)          # (its pages' numbers in pd_page_ids were cleared at admission)
         if adm.peer in self.remote.lost:
             return
         try:

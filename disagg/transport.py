@@ -101,6 +101,7 @@ class TierLayout:
 PROGRESS_DELAY_ENV = "OASIS_NIXL_PROGRESS_DELAY_US"
 CPU_PROGRESS_DELAY_US = 100
 _progress_delay = {"us": 0, "installed": False}
+_progress_lock = threading.Lock()
 
 
 def progress_delay_us(cpu: bool) -> int:
@@ -120,13 +121,12 @@ def progress_delay_us(cpu: bool) -> int:
     """
     import os
 
+    import re
+
     raw = os.environ.get(PROGRESS_DELAY_ENV)
     if raw is None or raw.strip() == "":
         return CPU_PROGRESS_DELAY_US if cpu else 0
-    try:
-        us = int(raw)
-    except ValueError:
-        us = -1
+    us = int(raw.strip()) if re.fullmatch(r"[0-9]{1,7}", raw.strip()) else -1
     if not 0 <= us <= 1_000_000:
         raise ValueError(f"{PROGRESS_DELAY_ENV}={raw!r}: want an integer number of microseconds in 0..1000000 "
                          f"(0: NIXL's own busy polling)")
@@ -140,13 +140,23 @@ def set_progress_delay(us: int) -> bool:
     keeps ``pthrDelay`` at least ``us``. SGLang's own agents (``NixlKVManager``) are made
     the same way (``sglang_glue/fixes/pd_cpu.py`` calls this before they are).
 
-    Returns: whether the delay is in effect (False for 0 or when this nixl has no ``pthrDelay``).
+    The delay is only ever raised in a process (the largest asked for applies to agents made
+    later). Returns: whether a delay is in effect (False for 0 or when this nixl has no ``pthrDelay``).
     """
+
+    with _progress_lock:
+        return _set_progress_delay(int(us))
+
+
+def _set_progress_delay(us: int) -> bool:
     import sys
 
-    from nixl._api import nixl_agent   # lazy: nixl is the [disagg] extra
+    from nixl._api import nixl_agent
 
-    _progress_delay["us"] = int(us)
+    # only raised: one process may ask twice (OasisKV's tier first, then SGLang's NixlKVManager),
+    # and an agent made later must not spin because an earlier caller asked for 0
+    _progress_delay["us"] = max(_progress_delay["us"], us)
+    us = _progress_delay["us"]
     if _progress_delay["installed"] or us <= 0:
         return bool(_progress_delay["installed"] and us > 0)
     bind = getattr(sys.modules[nixl_agent.__module__], "nixlBind", None)
@@ -172,10 +182,12 @@ def set_progress_delay(us: int) -> bool:
     return True
 
 
-def _agent(name: str, backends=("UCX",)):
+def _agent(name: str, backends=("UCX",), cpu_engine: bool | None = None):
+    """A NIXL agent (STRICT thread sync) with ``backends``, made after ``set_progress_delay``
+    (``cpu_engine``: the engine runs on the CPU; ``None``: when CUDA is not available)."""
     from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t   # lazy: nixl is the [disagg] extra
 
-    set_progress_delay(progress_delay_us(cpu=not torch.cuda.is_available()))
+    set_progress_delay(progress_delay_us(cpu=not torch.cuda.is_available() if cpu_engine is None else cpu_engine))
 
     # STRICT: the reader thread (RemoteBlockFetcher) and the scheduler's thread (notifications,
     # peers) call one agent
@@ -190,11 +202,14 @@ class NixlTier:
         k, v: the tier's per-sparse-layer buffers (``HostTier.k`` / ``.v``): CPU tensors
             ``[H, P, bs, D]`` / ``[H, P, bs, Dv]``, contiguous, all of one dtype.
         name: the NIXL agent name (unique per process and node, e.g. ``oasis-prefill-<port>-tp0``).
+        cpu_engine: the OasisKV engine runs on the CPU (NIXL's progress thread then pauses
+            between polls, ``progress_delay_us``); ``None``: when CUDA is not available.
     Raises:
         ValueError: buffers not on the CPU, not contiguous, or of different shapes.
     """
 
-    def __init__(self, k: list[torch.Tensor], v: list[torch.Tensor], name: str, backends=("UCX",)):
+    def __init__(self, k: list[torch.Tensor], v: list[torch.Tensor], name: str, backends=("UCX",),
+                 cpu_engine: bool | None = None):
         if len(k) != len(v) or not k:
             raise ValueError(f"NixlTier: {len(k)} K and {len(v)} V buffers: want one of each per sparse layer")
         for t in k + v:
@@ -207,7 +222,7 @@ class NixlTier:
         es = k[0].element_size()
         self.head_num, self.num_pages, self.block_size = H, P, bs
         self.k_piece, self.v_piece = bs * D * es, bs * v[0].shape[3] * es
-        self.agent = _agent(name, backends)
+        self.agent = _agent(name, backends, cpu_engine)
         self._reg = self.agent.register_memory(k + v, "DRAM")
 
     def layout(self) -> TierLayout:

@@ -26,7 +26,7 @@ def to_device(x, device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
 
     On CUDA a host value is staged through page-locked memory and copied ``non_blocking``:
     PyTorch's caching host allocator keeps the staging buffer until the copy has run (it
-    records an event on the stream), so the caller may drop ``x`` at once. A tensor already on
+    records an event on the stream), so the caller may drop or change ``x`` at once. A tensor already on
     ``device`` is returned as it is (cast to ``dtype``).
 
     Returns:
@@ -36,4 +36,7 @@ def to_device(x, device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
     t = torch.as_tensor(x, dtype=dtype)
     if t.device.type != "cpu" or device.type != "cuda":
         return t.to(device, dtype)
-    return t.pin_memory().to(device, non_blocking=True)
+    # always a new page-locked copy (``pin_memory()`` returns a tensor already page-locked
+    # as it is: the device would then read the caller's buffer after this returns)
+    staged = torch.empty(t.shape, dtype=dtype, pin_memory=True).copy_(t)
+    return staged.to(device, non_blocking=True)

@@ -174,7 +174,7 @@ class RemoteBlocks:
         """Pages freed (the request ended): they are this node's own again. Waits first for
         the reads still writing into them (``wait_reads_into``, failed ones the transport still
         works on included): a page handed to another request must not receive a late read."""
-        pages = torch.as_tensor(pages, dtype=torch.int64).cpu()
+        pages = torch.as_tensor(pages, dtype=torch.int64).cpu().reshape(-1)
         self.wait_reads_into(pages)
         self.present[:, :, pages] = True
         self.peer[pages] = -1

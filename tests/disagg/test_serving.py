@@ -76,6 +76,9 @@ def test_admit_decode_release(sides):
     ps.lease(77, lambda: released.append(77), "req-77", tokens=npg * BS)
     assert ps.held_tokens() == npg * BS
     ds.admit(2, rt_d[2], prompt, "prefill-host", 1, 77, "req-77")
+    # the received page numbers are cleared once read, not when the request ends (on CUDA a clear
+    # queued then could wipe the next request's numbers, written by the prefill node meanwhile)
+    assert all(bool((t[dst] == -1).all()) for t in dpool.pd_page_ids)
     assert ds.remote.missing(0) == H * npg                # nothing of the sparse layers' K/V is here
     for t in range(prompt, n):                           # first step synchronous, then predicted
         want = decode(pf, 1, rt_p, K, V, Q, t)

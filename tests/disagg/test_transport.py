@@ -340,7 +340,7 @@ def test_agents_pause_between_progress_polls_on_the_cpu_engine(monkeypatch, seed
         ns.close()
 
 
-@pytest.mark.parametrize("raw", ["abc", "-1", "2000000", "1.5"])
+@pytest.mark.parametrize("raw", ["abc", "-1", "2000000", "1.5", "1_000", "+7", "\u0661\u0660\u0660"])
 def test_a_bad_progress_delay_is_refused_naming_the_variable(monkeypatch, raw):
     from oasis_sglang.disagg.transport import progress_delay_us
 
@@ -349,5 +349,19 @@ def test_a_bad_progress_delay_is_refused_naming_the_variable(monkeypatch, raw):
         progress_delay_us(cpu=True)
     monkeypatch.setenv("OASIS_NIXL_PROGRESS_DELAY_US", "0")
     assert progress_delay_us(cpu=True) == 0
+    monkeypatch.setenv("OASIS_NIXL_PROGRESS_DELAY_US", " 250 ")
+    assert progress_delay_us(cpu=False) == 250
     monkeypatch.delenv("OASIS_NIXL_PROGRESS_DELAY_US")
     assert progress_delay_us(cpu=True) == 100 and progress_delay_us(cpu=False) == 0
+
+
+def test_the_progress_delay_is_only_raised():
+    """OasisKV's tier agent and SGLang's NixlKVManager each set the delay, in either order: a
+    later call asking for 0 (a GPU host's default) must not make later agents spin."""
+    from oasis_sglang.disagg import transport
+
+    transport.set_progress_delay(100)
+    assert transport._progress_delay["us"] >= 100
+    before = transport._progress_delay["us"]
+    assert transport.set_progress_delay(0) and transport._progress_delay["us"] == before
+    assert transport.set_progress_delay(before + 1) and transport._progress_delay["us"] == before + 1

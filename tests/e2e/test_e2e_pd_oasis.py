@@ -34,7 +34,8 @@ pytest.importorskip("nixl")
 pytest.importorskip("sglang_router")
 
 from oasis_sglang import needle  # noqa: E402
-from oasis_sglang.testing.launch import base_args, check_port_free, extra_e2e, free_port, launch, oasis_args  # noqa: E402
+from oasis_sglang.testing.launch import (base_args, check_port_free, extra_e2e, free_port, has_cuda, launch,  # noqa: E402
+                                         oasis_args)
 from test_e2e import NEEDLE_CASES, NEEDLE_CFG, OUT, chat, dense_reference, generate_ids, short_prompts  # noqa: E402
 from test_e2e_pd import PD, start_router  # noqa: E402
 
@@ -117,6 +118,8 @@ def test_greedy_through_router_equals_dense(model, tok, pd):
     assert len(admitted) > len(prompts), admitted
 
 
+@pytest.mark.skipif(has_cuda(), reason="on a GPU host NIXL keeps its busy progress thread unless "
+                                        "OASIS_NIXL_PROGRESS_DELAY_US is set")
 def test_idle_nodes_do_not_spin_the_cpu(pd):
     """Between requests neither node's processes use a core: nixl's Python API makes each NIXL
     agent's progress thread spin (``pthrDelay = 0``), four agents on a PD pair (SGLang's and
