@@ -8,15 +8,13 @@ host tier holds 1 byte per element. Bad KV dtypes are refused in test_e2e.py.
 
 import pytest
 
-from oasis_sglang.testing.launch import base_args, extra_e2e, launch, oasis_args
+from oasis_sglang.testing.launch import base_args, launch, oasis_args
 from test_e2e import OUT, _exact_prompts, generate_ids
 
 pytestmark = pytest.mark.e2e
 
 
-# e5m2 differs from e4m3 only in the cast (tests/kernels/test_fp8.py checks both): opt-in here
-@pytest.mark.parametrize("kv", ["fp8_e4m3", pytest.param("fp8_e5m2", marks=pytest.mark.skipif(
-    not extra_e2e(), reason="opt-in: OASIS_E2E_EXTRA=1 (e4m3 runs in CI; ~3 min on 2 cores)"))])
+@pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2"])
 def test_fp8_oasis_equals_sglangs_fp8_cache_when_the_budget_covers_the_context(model, tok, kv):
     prompts = _exact_prompts(tok)
     n_new = 32

@@ -18,8 +18,8 @@ import requests
 pytest.importorskip("nixl")
 pytest.importorskip("sglang_router")
 
-from oasis_sglang.testing.launch import base_args, extra_e2e, free_port, launch  # noqa: E402
-from test_e2e import OUT, _exact_prompts, assert_dense_or_near_tie, generate_ids  # noqa: E402
+from oasis_sglang.testing.launch import base_args, free_port, launch  # noqa: E402
+from test_e2e import OUT, _exact_prompts, assert_dense_or_near_tie, dense_reference, generate_ids  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 PD = ["--disaggregation-transfer-backend", "nixl"]
@@ -55,17 +55,10 @@ def start_router(prefill_url: str, bootstrap: int, decode_url: str, timeout: flo
     raise TimeoutError(f"router not healthy in {timeout} s: see {OUT / 'pd_router.log'}")
 
 
-# opt-in: test_e2e_pd_oasis.py serves through the same PD mode, router and CPU fixes within CI's 90 minutes
-@pytest.mark.skipif(not extra_e2e(), reason="opt-in: OASIS_E2E_EXTRA=1 (dense PD; test_e2e_pd_oasis.py covers the "
-                    "PD mode and its CPU fixes, ~5 min on 2 cores)")
 def test_pd_through_the_router_equals_one_dense_server(model, tok):
     prompts = _exact_prompts(tok)
     n_new = 24
-    srv = launch(model, 0, base_args(), OUT / "pd_ref_dense.log")
-    try:
-        ref = [generate_ids(srv.url, p, n_new, top2=True) for p in prompts]
-    finally:
-        srv.stop()
+    ref = dense_reference(model, prompts, n_new)          # shared with the --tp 3 test
     bootstrap = free_port()
     pf = launch(model, 0, base_args() + PD + ["--disaggregation-mode", "prefill",
                                               "--disaggregation-bootstrap-port", str(bootstrap)], OUT / "pd_prefill.log")

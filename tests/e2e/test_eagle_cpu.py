@@ -20,7 +20,6 @@ import requests
 import torch
 
 from oasis_sglang.sglang_glue.fixes import spec_cpu as spec_fix
-from oasis_sglang.testing.launch import extra_e2e
 
 OUT = Path(os.environ.get("OASIS_TEST_OUT", Path(__file__).resolve().parents[2] / "out" / "tests"))
 EAGLE_ARGS = ["--speculative-algorithm", "EAGLE3", "--speculative-num-steps", "1",
@@ -248,10 +247,6 @@ def test_eagle3_greedy_equals_dense(servers):
 
 
 # ---------------------------------------------------------------------------------------------
-# opt-in (OASIS_E2E_EXTRA=1; one more server each, ~1-2 min on 2 cores)
-# ---------------------------------------------------------------------------------------------
-
-EXTRA = pytest.mark.skipif(not extra_e2e(), reason="opt-in: OASIS_E2E_EXTRA=1 (starts one more SGLang server)")
 
 
 def _eagle_server(name, draft, spec_args, env=None):
@@ -277,7 +272,6 @@ def _both(servers, other, prompts):
 
 
 @pytest.mark.e2e
-@EXTRA
 def test_eagle3_tree_with_accepted_drafts_equals_dense(servers):
     """topk 2, 3 steps, 4 draft tokens (tree mask, multi-step draft decode) with the echo draft,
     which is accepted on repetitive output: SGLang's acceptance path (KV moves of accepted
@@ -301,7 +295,6 @@ def test_eagle3_tree_with_accepted_drafts_equals_dense(servers):
 
 
 @pytest.mark.e2e
-@EXTRA
 def test_eagle3_without_the_fix_differs(servers):
     """The served setting with the intel_amx seq_lens hooks disabled: SGLang 0.5.17's bug gives
     other tokens than dense (from the first verified step on)."""
