@@ -18,8 +18,8 @@ EXTRA_E2E = "OASIS_E2E_EXTRA"
 
 def extra_e2e() -> bool:
     """Whether the opt-in end-to-end tests run: ``OASIS_E2E_EXTRA=1`` (or its earlier name
-    ``OASIS_EAGLE_EXTRA=1``). They repeat what CI's tests cover with another deployment or
-    dtype and do not fit CI's 90 minutes on a 2-core box."""
+    ``OASIS_EAGLE_EXTRA=1``). Today one: the EAGLE-3 PD deployment of
+    tests/e2e/test_e2e_pd_oasis.py, a second PD pair with a draft model on both nodes."""
     return "1" in (os.environ.get(EXTRA_E2E), os.environ.get("OASIS_EAGLE_EXTRA"))
 
 
