@@ -114,7 +114,7 @@ def progress_delay_us(cpu: bool) -> int:
     on one host has four agents (SGLang's and OasisKV's on each node): on a 2-core machine the
     servers got about a third of the CPU. With 100 us two idle agents used 0.11 CPU s per 3 s
     instead of 5.94, and a READ of 86 x 4 KiB pieces over UCX loopback took 0.24 ms instead of
-    0.15 (median of 20; docs/benchmarks/2026-12-04_bookkeeping-nowait-and-4k-profile-h200.md).
+    0.15 (median of 20; docs/benchmarks/2026-12-04_nixl-progress-delay-cpu.md, ``scripts/probe_nixl_progress.py``).
 
     Raises:
         ValueError: the variable is not an integer in 0..1000000, naming it.

@@ -66,7 +66,8 @@ HOOKS: tuple[Hook, ...] = (
     Hook("sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request", "BEFORE",
          "oasis_sglang.sglang_glue.fixes.input_ids:validate_input_ids_hook",
          "0.5.17 bug: out-of-vocabulary input_ids (and top_logprobs_num above the vocabulary) kill the scheduler; refuse them with a 400"),
-    # SGLang's PD mode (NIXL) on the CPU engine (any --kv-sparse; no-ops off CPU: see fixes/pd_cpu.py)
+    # SGLang's PD mode (NIXL) on the CPU engine (any --kv-sparse; no-ops off CPU unless
+    # OASIS_NIXL_PROGRESS_DELAY_US is set: see fixes/pd_cpu.py)
     Hook("sglang.srt.disaggregation.nixl.conn.NixlKVManager.__init__", "BEFORE",
          "oasis_sglang.sglang_glue.fixes.pd_cpu:nixl_manager_init_hook",
          "CPU engine: register the KV pool with NIXL as DRAM, not VRAM, and pause NIXL's progress thread "

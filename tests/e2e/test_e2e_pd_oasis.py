@@ -18,7 +18,8 @@ One deployment (budget 512, block 8) for all four:
 - the prefill process killed mid-decode: the request ends with an error, the decode node's
   /health stays 200 and it serves a request from a new prefill node.
 
-Then (opt-in, ``OASIS_E2E_EXTRA=1``: CI's 90 minutes do not hold it) a second deployment with
+Then (opt-in, ``OASIS_E2E_EXTRA=1``: about 6 min, and once two of its three requests stalled in
+the prefill node's bootstrap queue until SGLang's transfer timeout, not investigated) a second deployment with
 EAGLE-3 on both nodes (the draft model's KV crosses whole): greedy output equals the dense server's.
 """
 
