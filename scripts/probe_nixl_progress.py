@@ -25,8 +25,12 @@ def main() -> int:
     ap.add_argument("--idle-s", type=float, default=3.0, help="seconds of idle to measure the CPU over")
     ap.add_argument("--reads", type=int, default=20, help="READs to time")
     a = ap.parse_args()
-    if not 0 <= a.delay_us <= 1_000_000 or not 0 < a.idle_s <= 600 or not 1 <= a.reads <= 100_000:
-        ap.error("--delay-us must be 0..1000000, --idle-s in (0, 600], --reads 1..100000")
+    if not 0 <= a.delay_us <= 1_000_000:
+        ap.error(f"--delay-us must be 0..1000000 microseconds, got {a.delay_us}")
+    if not 0 < a.idle_s <= 600:
+        ap.error(f"--idle-s must be in (0, 600] seconds, got {a.idle_s}")
+    if not 1 <= a.reads <= 100_000:
+        ap.error(f"--reads must be 1..100000, got {a.reads}")
     try:
         from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
     except ImportError:
