@@ -31,6 +31,10 @@ def to_device(x, device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
 
     Returns:
         a tensor of ``x``'s shape on ``device``.
+    Raises:
+        TypeError / ValueError: ``x`` is not numeric (``torch.as_tensor``'s errors).
+    Source: CUDA's rules for host-to-device copies (pageable memory is staged synchronously);
+    PyTorch's ``CachingHostAllocator`` (``record_event`` on a non-blocking copy).
     """
     device = torch.device(device)
     t = torch.as_tensor(x, dtype=dtype)
