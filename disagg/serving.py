@@ -22,10 +22,19 @@ Rules (stated, tested in tests/e2e/test_e2e_pd_oasis.py):
   answering at that bootstrap address again is used for new requests.
 - Prefill pages: after SGLang's transfer the prefill node holds the request's pages under a
   lease instead of freeing them (``PrefillSide.lease``); the decode node renews it while the
-  request decodes (``oasis-renew:<room>`` every ``pd_lease_s / 4``) and releases it when the
-  request ends, is retracted or cannot be admitted (``oasis-release:<room>:<page>``, the
-  transfer named by the prefill node's page of its last token, or ``oasis-release:<room>``;
-  NIXL notifications); a lease neither renewed nor released for ``pd_lease_s`` seconds expires.
+  request decodes (``oasis-renew:<room>`` at admission and every ``pd_lease_s / 4``, sent by a
+  thread of its own, so a live process renews even while its scheduler is busy) and releases it
+  when the request ends, is retracted or cannot be admitted (``oasis-release:<room>:<page>``,
+  the transfer named by the prefill node's page of its last token, or ``oasis-release:<room>``;
+  NIXL notifications); a lease neither renewed nor released for ``pd_lease_s`` seconds (60 by
+  default) expires: a decode node that died or was cut off loses its leases within that time.
+  Only rows a decode batch held within the last lease are renewed (``DecodeSide.seen``). A
+  decode node that could not renew a lease for 0.9 of its length (its process was stopped, its
+  renewals failed) ends that request with an error before its next batch and reads none of its
+  blocks again (``DecodeSide.cut_off_stale``), instead of reading pages its prefill node may have
+  given to another request. A lease's length is the shorter of the two nodes' ``pd_lease_s``
+  (the prefill node's travels in its ``TierLayout``). Not detected: a decode node stopped for a
+  whole lease between a transfer's end and the request's admission.
 - Off CUDA the decode node's host tier holds only the blocks it read or decoded (``core/host_tier.py``
   commits memory on demand; a request's blocks are given back when it ends or is retracted).
 - Retraction on the decode node (its KV slots ran out): the request is recomputed by its prefill
@@ -57,6 +66,7 @@ from __future__ import annotations
 
 import base64
 import logging
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -139,7 +149,7 @@ class PrefillSide:
         self.released = self.expired = 0
 
     def layout_b64(self) -> str:
-        return base64.b64encode(self.tier.layout().to_bytes()).decode()
+        return base64.b64encode(self.tier.layout(self.lease_s).to_bytes()).decode()
 
     def close(self) -> None:
         """Deregister the staging pool and end the NIXL agent (``NixlTier.close``); the leases
@@ -222,12 +232,17 @@ class Admitted:
     """A decode-node request admitted from a prefill node: ``pages [N]`` int64 its host pages
     here (block by block), ``peer`` the prefill node's NIXL agent, ``room`` its bootstrap room,
     ``src_last`` the prefill node's page of its last block (names the transfer in releases:
-    ``PrefillSide.lease``)."""
+    ``PrefillSide.lease``), ``renewed`` the ``time.monotonic()`` of the last renewal of its
+    lease sent (its admission first), ``seen`` of the last decode batch that held it,
+    ``lease_s`` its lease's length (the shorter of the two nodes' ``pd_lease_s``)."""
     pages: torch.Tensor
     peer: str
     room: int
     rid: str
     src_last: int = -1
+    renewed: float = 0.0
+    seen: float = 0.0
+    lease_s: float = 60.0
 
 
 class DecodeSide:
@@ -239,7 +254,8 @@ class DecodeSide:
         pool: the ``OasisKVPool`` (its ``pd_page_ids`` receive the prefill pages).
         read_timeout_s: ``OasisConfig.pd_read_timeout_s`` (seconds per NIXL read).
         tp_rank: this rank (names the NIXL agent). lease_s: ``OasisConfig.pd_lease_s``
-            (leases are renewed every quarter of it).
+            (leases are renewed every quarter of it, by a thread started at the first admission:
+            :meth:`renew`).
         free_pages: returns ``[F]`` int64 the pages SGLang's allocator holds free (a freed
             request's blocks that share an OS page with free neighbours are given back with
             them); ``None``: only whole OS pages inside the request's own blocks.
@@ -251,7 +267,7 @@ class DecodeSide:
 
     RETRY_S = 10.0        # a prefill node whose layout could not be had is asked again after this
 
-    def __init__(self, engine, pool, read_timeout_s: float, tp_rank: int = 0, lease_s: float = 600.0,
+    def __init__(self, engine, pool, read_timeout_s: float, tp_rank: int = 0, lease_s: float = 60.0,
                  free_pages=None):
         self.engine, self.pool = engine, pool
         self.free_pages = free_pages
@@ -270,8 +286,18 @@ class DecodeSide:
         self.aborted = 0
         self.admission_bytes = self.full_transfer_bytes = 0       # over every admitted request
         self._failed: dict[tuple[str, int], tuple[float, str]] = {}   # (host, port) -> (retry after, why)
-        self.renew_s = float(lease_s) / 4
-        self._next_renew = 0.0
+        self.lease_s = float(lease_s)
+        self.renew_s = self.lease_s / 4
+        # a row whose lease may have expired on its prefill node: no renewal for STALE of the
+        # lease (a stopped process, renewals failing); its pages there may be another request's
+        self.stale: dict[int, str] = {}
+        self._cut: set[int] = set()                # stale rows whose pages are no longer read
+        self.peer_lease: dict[str, float] = {}     # prefill agent -> its pd_lease_s (TierLayout)
+        self.renewals = 0                                           # renewal notifications sent
+        # the rows: changed by the scheduler's thread, read by the renewal thread
+        self._rows_lock = threading.Lock()
+        self._renewer: threading.Thread | None = None
+        self._stop_renewing = threading.Event()
         # released requests: their bytes in this host tier, and what a whole allocation holds
         self.released_requests = self.held_bytes_total = self.whole_bytes_total = 0
         # bytes per page of the draft model's KV cache, which SGLang sends whole (set by the glue; None: not yet read)
@@ -316,14 +342,10 @@ class DecodeSide:
             if r.status_code == 200:
                 try:
                     lay = TierLayout.from_bytes(base64.b64decode(r.json()["layout"], validate=True))
-                    agent = self.fetcher.add_peer(lay)
+                    return self.add_peer(key, lay)
                 except Exception as e:  # noqa: BLE001 - a layout we cannot use: no retry helps
                     why = f"unusable host tier layout: {type(e).__name__}: {e}"
                     break
-                self.peers[key] = agent
-                self.remote.forget_lost(agent)
-                self._failed.pop(key, None)
-                return agent
             why = f"HTTP {r.status_code}: {r.text[:200]}"
             if r.status_code == 404:
                 break
@@ -333,19 +355,115 @@ class DecodeSide:
         self._failed[key] = (time.monotonic() + self.RETRY_S, why)
         raise PeerLostError(f"{key[0]}:{key[1]}", why)
 
-    def renew(self, now: float | None = None) -> None:
-        """Keep the leases of the requests decoding here alive on their prefill nodes (a
-        notification per request every ``lease_s / 4``; called before each decode batch)."""
+    def add_peer(self, key: tuple[str, int], lay: TierLayout) -> str:
+        """Use the prefill node behind bootstrap address ``key`` (``(host, port)``) whose host
+        tier is ``lay`` (``peer_for`` got it from the bootstrap server). Its requests' leases are
+        renewed and checked by the shorter of its ``pd_lease_s`` (``lay.lease_s``) and this
+        node's. Returns its NIXL agent. Raises ValueError: a tier this node cannot read
+        (``RemoteBlockFetcher.add_peer``)."""
+        agent = self.fetcher.add_peer(lay)
+        self.peers[key] = agent
+        if lay.lease_s > 0:
+            self.peer_lease[agent] = lay.lease_s
+            if lay.lease_s != self.lease_s:
+                logger.warning("OasisKV PD: prefill node %s holds pages for %g s without a renewal, this node's "
+                               "pd_lease_s is %g: its requests' leases are renewed and checked by the shorter "
+                               "(give both nodes the same --kv-sparse-config)", agent, lay.lease_s, self.lease_s)
+        self.remote.forget_lost(agent)
+        self._failed.pop(key, None)
+        return agent
+
+    def renew(self) -> int:
+        """Keep the leases of the requests decoding here alive on their prefill nodes: one
+        ``oasis-renew:<room>`` notification per request (none to a lost node). The renewal
+        thread calls it every ``lease_s / 4`` (:meth:`_renew_loop`), not the scheduler's loop: a
+        decode step that runs long (a synchronous read, a slow CPU step) must not cost its
+        requests their leases, while a process that died stops renewing at once.
+
+        Returns: notifications sent. Thread-safe (NIXL agents here use STRICT thread sync).
+        """
+        if self.tier.closed:
+            return 0
+        self.check_stale()
+        now = time.monotonic()
+        with self._rows_lock:
+            # a row no decode batch held for a whole lease (SGLang never freed it, or the
+            # scheduler is stuck) is not renewed: its prefill node's pages are not held forever
+            held = [a for r, a in self.rows.items() if r not in self.stale and now - a.seen <= a.lease_s]
+        n = 0
+        for adm in held:
+            n += self._renew_one(adm)
+        return n
+
+    def seen(self, rows, now: float | None = None) -> None:
+        """The decode batch about to run holds request ``rows`` (scheduler's thread, before each
+        batch: ``sglang_hooks.abort_lost``); only rows seen within a lease are renewed."""
         now = time.monotonic() if now is None else now
-        if now < self._next_renew or not self.rows or self.tier.closed:
-            return
-        self._next_renew = now + self.renew_s
-        for adm in self.rows.values():
-            if adm.peer not in self.remote.lost:
-                try:
-                    self.tier.agent.send_notif(adm.peer, RENEW + str(adm.room).encode())
-                except Exception as e:  # noqa: BLE001 - the next read from that peer decides whether it is lost
-                    logger.warning("OasisKV PD: renewing the lease of request %s failed: %s", adm.rid, e)
+        for r in rows:
+            adm = self.rows.get(r)
+            if adm is not None:
+                adm.seen = now
+
+    def _renew_interval(self) -> float:
+        """Seconds between renewals: a quarter of the shortest lease held (at most a day)."""
+        with self._rows_lock:
+            lease = min([self.lease_s] + [a.lease_s for a in self.rows.values()])
+        return min(lease / 4, 86400.0)
+
+    def _renew_one(self, adm: Admitted) -> int:
+        if adm.peer in self.remote.lost or self.tier.closed:
+            return 0
+        try:
+            self.tier.agent.send_notif(adm.peer, RENEW + str(adm.room).encode())
+        except Exception as e:  # noqa: BLE001 - the next read from that peer decides whether it is lost
+            logger.warning("OasisKV PD: renewing the lease of request %s failed: %s", adm.rid, e)
+            return 0
+        adm.renewed = time.monotonic()
+        with self._rows_lock:
+            self.renewals += 1
+        return 1
+
+    STALE = 0.9
+
+    def check_stale(self, now: float | None = None) -> dict[int, str]:
+        """Rows whose lease was not renewed for ``STALE`` (0.9) of its length (``Admitted.lease_s``):
+        their prefill node may have freed their pages already (and given them to another
+        request), so their blocks must not be read any more (:meth:`cut_off_stale`);
+        :func:`~.sglang_hooks.abort_lost` ends them with an error. Happens when this process was stopped, or its renewals
+        failed, for most of a lease. Returns the stale rows -> why."""
+        now = time.monotonic() if now is None else now
+        with self._rows_lock:
+            for r, a in self.rows.items():
+                if r not in self.stale and a.peer not in self.remote.lost and now - a.renewed > self.STALE * a.lease_s:
+                    self.stale[r] = (f"its lease on prefill node {a.peer} was last renewed {now - a.renewed:.1f} s "
+                                     f"ago (pd_lease_s {a.lease_s:g}): its pages there may have been freed")
+                    logger.error("OasisKV PD: request %s: %s", a.rid, self.stale[r])
+            return dict(self.stale)
+
+    def cut_off_stale(self) -> dict[int, str]:
+        """Scheduler's thread, before a batch: stop reading the pages of stale rows
+        (``RemoteBlocks.cut_off``; SGLang still runs an ending request's last forward, which must
+        not read pages that may be another request's). Returns the stale rows -> why."""
+        stale = self.check_stale()
+        for r in stale:
+            adm = self.rows.get(r)
+            if adm is not None and r not in self._cut:
+                self.remote.cut_off(adm.pages)
+                self._cut.add(r)
+        return stale
+
+    def _renew_loop(self) -> None:
+        while not self._stop_renewing.wait(self._renew_interval()):
+            try:
+                self.renew()
+            except Exception:  # noqa: BLE001 - a renewal that failed must not end the thread
+                logger.exception("OasisKV PD: renewing leases failed")
+
+    def _start_renewer(self) -> None:
+        """Start the renewal thread (daemon; once per side, at the first admission)."""
+        if self._renewer is None and not self._stop_renewing.is_set():
+            self._renewer = threading.Thread(target=self._renew_loop, name="oasis-pd-renew", daemon=True)
+            self._renewer.start()
 
     def refuse(self, host: str, port: int, room: int, rid: str = "") -> None:
         """A transferred request that could not be admitted: tell its prefill node to free its
@@ -403,7 +521,15 @@ class DecodeSide:
                              f"tier has {self.fetcher.peers[peer].num_pages} pages")
         self.engine.reset_rows([row])
         self.remote.admit(pages, peer, src)
-        self.rows[int(row)] = Admitted(pages, peer, int(room), rid, int(src[-1]))
+        now = time.monotonic()
+        adm = Admitted(pages, peer, int(room), rid, int(src[-1]), now, now,
+                       min(self.lease_s, self.peer_lease.get(peer, self.lease_s)))
+        with self._rows_lock:
+            self.rows[int(row)] = adm
+            self.stale.pop(int(row), None)
+            self._cut.discard(int(row))
+        self._renew_one(adm)           # at once: its lease was made when the prefill node saw the transfer end
+        self._start_renewer()
         n = pages.numel()
         draft = self.draft_page_bytes or 0
         sent = n * (getattr(self.pool, "pd_page_bytes", 0) + draft)
@@ -475,7 +601,10 @@ class DecodeSide:
                             1e3 * self.remote.service_s / max(1, self.remote.service_calls),
                             1e3 * self.remote.counts_s / max(1, self.remote.service_calls),
                             1e3 * self.remote.ended_s / max(1, self.remote.service_calls))
-        adm = self.rows.pop(int(row), None)
+        with self._rows_lock:
+            adm = self.rows.pop(int(row), None)
+            self.stale.pop(int(row), None)
+            self._cut.discard(int(row))
         if adm is None:
             return
         self.remote.release(adm.pages)          # (its pages' numbers in pd_page_ids were cleared at admission)
@@ -526,10 +655,15 @@ class DecodeSide:
             self.refuse(bootstrap[0], bootstrap[1], bootstrap[2], rid)
 
     def close(self) -> None:
-        """Stop reading (``RemoteBlockFetcher.close``: the reads already started end first),
-        then deregister this host tier and end the NIXL agent (``NixlTier.close``).
-        Idempotent; the process is ending or the side is no longer used. A read still running
-        after the fetcher's wait keeps the tier registered (its memory may still be written)."""
+        """Stop renewing leases (the renewal thread ends), stop reading
+        (``RemoteBlockFetcher.close``: the reads already started end first), then deregister
+        this host tier and end the NIXL agent (``NixlTier.close``). Idempotent; the process is
+        ending or the side is no longer used (its prefill nodes' leases then expire after
+        ``lease_s``). A read still running after the fetcher's wait keeps the tier registered
+        (its memory may still be written)."""
+        self._stop_renewing.set()
+        if self._renewer is not None:
+            self._renewer.join(timeout=10)
         if self.fetcher.close():
             self.tier.close()
         else:

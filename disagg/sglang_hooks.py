@@ -308,19 +308,31 @@ def _abort(req, message: str) -> None:
 
 
 def abort_lost(batch) -> None:
-    """Before a decode batch runs (``scheduler_hooks.run_batch_hook``): renew the leases of the
-    requests decoding here, and end with an error those whose prefill node was lost (their
-    blocks cannot be read any more)."""
+    """Before a decode batch runs (``scheduler_hooks.run_batch_hook``): note which rows it holds
+    (``DecodeSide.seen``: only those keep their leases renewed), and end with an error the
+    requests whose prefill node was lost (their blocks cannot be read any more) or whose lease
+    there was not renewed for most of its length (``DecodeSide.cut_off_stale``: the pages may be
+    another request's by now, so they are not read again, also not in the request's last
+    forward). (Leases are renewed by ``DecodeSide``'s renewal thread, not here.)"""
     s = side()
     if not isinstance(s, DecodeSide):
         return
-    s.renew()
-    if not s.remote.lost:
+    reqs = getattr(batch, "reqs", None) or []
+    s.seen([r.req_pool_idx for r in reqs])
+    stale = s.cut_off_stale()
+    if not s.remote.lost and not stale:
         return
     lost = s.lost_rows()
-    for req in getattr(batch, "reqs", None) or []:
+    for req in reqs:
         why = lost.get(req.req_pool_idx)
-        if why is not None and req.to_finish is None and req.finished_reason is None:
+        if req.to_finish is not None or req.finished_reason is not None:
+            continue
+        if why is not None:
             logger.error("OasisKV PD: request %s ends: its prefill node was lost (%s)", req.rid, why)
             _abort(req, f"OasisKV PD: the prefill node holding this request's KV cache was lost ({why})")
+            s.aborted += 1
+        elif req.req_pool_idx in stale:
+            why = stale[req.req_pool_idx]
+            logger.error("OasisKV PD: request %s ends: %s", req.rid, why)
+            _abort(req, f"OasisKV PD: this request's KV cache on its prefill node can no longer be relied on ({why})")
             s.aborted += 1

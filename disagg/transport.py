@@ -68,6 +68,7 @@ class TierLayout:
     block_size: int
     k_piece_bytes: int
     v_piece_bytes: int
+    lease_s: float = 0.0        # the prefill node's ``pd_lease_s`` (0: not a staging pool, or not said)
 
     def to_bytes(self) -> bytes:
         d = {f: getattr(self, f) for f in self.__dataclass_fields__}
@@ -225,12 +226,14 @@ class NixlTier:
         self.agent = _agent(name, backends, cpu_engine)
         self._reg = self.agent.register_memory(k + v, "DRAM")
 
-    def layout(self) -> TierLayout:
+    def layout(self, lease_s: float = 0.0) -> TierLayout:
+        """What a peer needs to read this tier (:class:`TierLayout`); ``lease_s``: how long a
+        prefill node holds a request's pages without a renewal (its ``pd_lease_s``)."""
         if self.agent is None:
             raise RuntimeError(f"NixlTier {self.name!r}: closed (it has no NIXL agent)")
         return TierLayout(self.name, self.agent.get_agent_metadata(), tuple(t.data_ptr() for t in self.k),
                           tuple(t.data_ptr() for t in self.v), self.num_pages, self.head_num, self.block_size,
-                          self.k_piece, self.v_piece)
+                          self.k_piece, self.v_piece, float(lease_s))
 
     def close(self) -> None:
         """Deregister the buffers and let go of the agent. NIXL's progress thread busy-polls one

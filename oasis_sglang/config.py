@@ -76,7 +76,8 @@ class OasisConfig:
         pd_lease_s: PD: seconds a prefill node keeps a transferred request's KV pages (its
             host-tier blocks are the decode node's staging pool, read on demand) without a
             release (request finished) or a renewal (sent every ``pd_lease_s / 4`` while the
-            request decodes) from its decode node. Default 600; > 0.
+            request decodes, by a thread of the decode node's process) from its decode node:
+            the longest a decode node that died holds its requests' pages there. Default 60; 1..86400.
         pd_read_timeout_s: PD decode node: deadline in seconds of one NIXL read of blocks from
             a prefill node; a read that fails or runs past it marks that node lost and ends its
             requests with an error (``disagg/serving.py``). Default 10; > 0.
@@ -108,7 +109,7 @@ class OasisConfig:
     predictor: str = "auto"
     measure_agreement: bool = False
     transfer_budget: Union[str, int, float, None] = "auto"
-    pd_lease_s: float = 600.0
+    pd_lease_s: float = 60.0
     pd_read_timeout_s: float = 10.0
     pd_read_mode: str = "deferred"
 
@@ -171,6 +172,11 @@ class OasisConfig:
             if not ok:
                 raise OasisConfigError(f"kv_sparse_config: '{key}' must be a positive number of seconds, got {val!r}")
             object.__setattr__(self, key, float(val))
+        if not 1.0 <= self.pd_lease_s <= 86400.0:
+            # renewed every quarter lease by a thread: below a second it would mostly spin, and a
+            # lease would lapse on any hiccup of the decode node; above a day a dead node's pages stay held
+            raise OasisConfigError(f"kv_sparse_config: 'pd_lease_s' must be at least 1 second and at most 86400 "
+                                   f"(a day), got {self.pd_lease_s!r}")
         if self.pd_read_mode not in PD_READ_MODES:
             raise OasisConfigError(
                 f"kv_sparse_config: 'pd_read_mode' must be one of {list(PD_READ_MODES)}, got {self.pd_read_mode!r}")

@@ -181,6 +181,15 @@ class RemoteBlocks:
         self.src_page[pages] = -1
         self._mirror(pages)
 
+    def cut_off(self, pages: torch.Tensor) -> None:
+        """Read nothing more for ``pages [N]`` (int64): their pieces count as present from now on
+        (whatever this node's host tier holds there), so no step reads them from their peer.
+        For a request about to end with an error whose peer's pages may no longer be its own
+        (``disagg.serving.DecodeSide.check_stale``); ``release`` still ends it as usual."""
+        pages = torch.as_tensor(pages, dtype=torch.int64).cpu().reshape(-1)
+        self.present[:, :, pages] = True
+        self._mirror(pages)
+
     def missing(self, layer: int) -> int:
         """Pieces of sparse layer ``layer`` not here yet (all requests)."""
         return int((~self.present[layer]).sum())

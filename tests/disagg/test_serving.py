@@ -6,6 +6,7 @@ advertises page by page (the summaries and the page numbers); the rest is the se
 synchronous first step that reads its blocks on demand, ``DecodeSide.release`` telling the
 prefill node, whose ``PrefillSide.poll`` frees the lease; expiry; a lost peer's rows."""
 
+import base64
 import time
 import types
 
@@ -14,7 +15,8 @@ import torch
 
 pytest.importorskip("nixl")
 
-from oasis_sglang.disagg.serving import DecodeSide, PrefillSide  # noqa: E402
+from oasis_sglang.disagg.serving import Admitted, DecodeSide, PrefillSide, set_side  # noqa: E402
+from oasis_sglang.disagg.transport import TierLayout  # noqa: E402
 from test_admission import BS, H, HQ, LAYERS, ROWS, TOKENS, D, decode, engine, locs, prefill, prefilled  # noqa: E402
 
 
@@ -32,14 +34,13 @@ def sglang_transfer(pf, dc, dc_pool, src_pages, dst_pages):
         t[dst_pages] = src_pages
 
 
-def make_sides(budget, pd_read_mode="wait"):
+def make_sides(budget, pd_read_mode="wait", lease_s=600, decode_lease_s=None):
     """wait: the decode node's outputs equal the prefill node decoding the request itself."""
     pf, dc = engine(budget=budget), engine(budget=budget, pd_read_mode=pd_read_mode)
-    ps = PrefillSide(pf, lease_s=600)
+    ps = PrefillSide(pf, lease_s=lease_s)
     dpool = pool_of(dc)
-    ds = DecodeSide(dc, dpool, read_timeout_s=5)
-    peer = ds.fetcher.add_peer(ps.tier.layout())
-    ds.peers[("prefill-host", 1)] = peer                 # as peer_for would after its bootstrap GET
+    ds = DecodeSide(dc, dpool, read_timeout_s=5, lease_s=decode_lease_s or lease_s)
+    ds.add_peer(("prefill-host", 1), TierLayout.from_bytes(base64.b64decode(ps.layout_b64())))   # as peer_for does
     return pf, dc, ps, ds, dpool
 
 
@@ -229,10 +230,115 @@ def test_renewals_keep_a_lease_and_bad_messages_and_releases_do_not_stop_the_loo
         time.sleep(0.05)
     assert freed == [2] and 1 not in ps.leases and ps.released == 2      # the raising release was dropped, logged
     assert ps.leases[3].deadline > t0 + 100                                # renewed to lease_s from now
-    ds.rows[5] = types.SimpleNamespace(peer=peer, room=3, rid="r", pages=torch.tensor([0]))
-    ds.renew(now=1e9)                                                       # what the decode batch hook calls
-    assert ds._next_renew == 1e9 + 150.0                                    # the next one a quarter lease later
+    now = time.monotonic()
+    ds.rows[5] = Admitted(torch.tensor([0]), peer, 3, "r", renewed=now, seen=now)
+    ds.remote.lost["gone"] = "test"
+    ds.rows[6] = Admitted(torch.tensor([1]), "gone", 4, "r4", renewed=now, seen=now)
+    assert ds.renew() == 1 and ds.renewals == 1                             # none to a lost peer
+    assert ds.rows[5].renewed > now
     ds.rows.clear()
+    ds.remote.lost.pop("gone")
+
+
+def test_a_live_decode_node_keeps_its_leases_and_a_gone_one_loses_them_within_the_lease():
+    """The decode node's renewal thread keeps a request's lease alive for several lease lengths
+    with nobody calling ``renew`` (a busy scheduler); once the node is gone (closed: it sends
+    nothing more) the prefill node frees the lease within ``lease_s``."""
+    lease = 2.0
+    pf, dc, ps, ds, dpool = make_sides(256, lease_s=lease)
+    try:
+        *_, rt_d, _, _, _ = transferred(pf, dc, dpool, 40, 2)
+        freed = []
+        ps.lease(7, lambda: freed.append(7), "req-7")
+        assert ds._renewer is None                               # no thread before the first admission
+        ds.admit(2, rt_d[2], 40, "prefill-host", 1, 7, "req-7")
+        assert ds._renewer.is_alive()
+        t_end = time.monotonic() + 3 * lease
+        while time.monotonic() < t_end:
+            ds.seen([2])                                         # decode batches hold the row
+            ps.poll()
+            assert not freed, "a live decode node's lease expired"
+            time.sleep(0.05)
+        assert ds.renewals >= 8, ds.renewals                     # every lease / 4
+        ds.close()                                               # the decode node is gone
+        assert not ds._renewer.is_alive()
+        t0 = time.monotonic()
+        while not freed and time.monotonic() - t0 < 3 * lease:
+            ps.poll()
+            time.sleep(0.05)
+        assert freed == [7] and ps.expired == 1 and not ps.leases
+        assert time.monotonic() - t0 <= lease + 0.5
+    finally:
+        ds.close()
+        ps.close()
+
+
+def test_a_lease_not_renewed_for_most_of_its_length_ends_its_request():
+    """A decode node that could not renew a lease for 0.9 of ``lease_s`` (its process stopped,
+    its renewals failing) must not read that request's blocks any more (the prefill node may
+    have given the pages to another request): before the next batch the request is ended with
+    an error and its pages are cut off (its last forward reads nothing), and the renewal thread
+    stops renewing it."""
+    from oasis_sglang.disagg.sglang_hooks import abort_lost
+
+    lease = 2.0
+    pf, dc, ps, ds, dpool = make_sides(256, lease_s=lease)
+    try:
+        prompt = 40
+        K, V, Q, rt_p, rt_d, *_ = transferred(pf, dc, dpool, prompt, 2)
+        ds.admit(2, rt_d[2], prompt, "prefill-host", 1, 7, "req-7")
+        assert ds.renewals == 1                                  # renewed at admission
+        assert not ds.check_stale()
+        ds._stop_renewing.set()                                  # the renewals stop (a stopped process)
+        ds._renewer.join()
+        time.sleep(ds.STALE * lease + 0.2)
+        req = types.SimpleNamespace(req_pool_idx=2, rid="req-7", to_finish=None, finished_reason=None)
+        set_side(ds)
+        try:
+            abort_lost(types.SimpleNamespace(reqs=[req]))
+        finally:
+            set_side(None)
+        assert req.to_finish is not None and "last renewed" in req.to_finish.message, req.to_finish
+        assert list(ds.stale) == [2] and "pd_lease_s 2" in ds.stale[2] and not ds.lost_rows()
+        read = ds.fetcher.stats.bytes
+        decode(dc, 2, rt_d, K, V, Q, prompt)                     # SGLang's last forward of the request
+        assert ds.fetcher.stats.bytes == read, "a stale row's pages were read"
+        n = ds.renewals
+        assert ds.renew() == 0 and ds.renewals == n              # a stale lease is not renewed
+        ds.release(2)
+        assert not ds.stale and not ds._cut
+    finally:
+        ds.close()
+        ps.close()
+
+
+def test_rows_no_batch_holds_are_not_renewed_and_the_shorter_lease_of_the_two_nodes_rules():
+    """A row SGLang never frees (no decode batch holds it) stops being renewed after a lease,
+    so its prefill node's pages are not held forever; a prefill node whose ``pd_lease_s`` is
+    shorter than the decode node's sets the pace (its layout says it)."""
+    pf, dc, ps, ds, dpool = make_sides(256, lease_s=2.0, decode_lease_s=20.0)
+    try:
+        peer = ds.peers[("prefill-host", 1)]
+        assert ds.peer_lease[peer] == 2.0
+        *_, rt_d, _, _, _ = transferred(pf, dc, dpool, 40, 2)
+        freed = []
+        ps.lease(7, lambda: freed.append(7), "req-7")
+        ds.admit(2, rt_d[2], 40, "prefill-host", 1, 7, "req-7")
+        assert ds.rows[2].lease_s == 2.0 and ds._renew_interval() == 0.5
+        t_end = time.monotonic() + 1.5
+        while time.monotonic() < t_end:                          # held by batches: renewed
+            ds.seen([2])
+            ps.poll()
+            time.sleep(0.05)
+        assert not freed and ds.renewals >= 3
+        t0 = time.monotonic()                                    # no batch holds it any more
+        while not freed and time.monotonic() - t0 < 10:
+            ps.poll()
+            time.sleep(0.05)
+        assert freed == [7] and time.monotonic() - t0 < 2 * 2.0 + 1.0
+    finally:
+        ds.close()
+        ps.close()
 
 
 def test_a_release_names_its_transfer_of_the_room(sides):

@@ -16,7 +16,9 @@ One deployment (budget 512, block 8) for all four:
   decode node releases them (else the later requests would wait for the lease to expire);
 - a needle at budget 512 through the router (6000 tokens), >= 4x less at admission;
 - the prefill process killed mid-decode: the request ends with an error, the decode node's
-  /health stays 200 and it serves a request from a new prefill node.
+  /health stays 200 and it serves a request from a new prefill node;
+- then the decode process killed mid-decode: the prefill node frees the request's lease within
+  ``pd_lease_s`` (no renewals come any more), its memory check finds no leak, it stays healthy.
 
 Then (opt-in, ``OASIS_E2E_EXTRA=1``: about 6 min, and once two of its three requests stalled in
 the prefill node's bootstrap queue until SGLang's transfer timeout, not investigated) a second deployment with
@@ -41,7 +43,9 @@ from test_e2e import NEEDLE_CASES, NEEDLE_CFG, OUT, chat, dense_reference, gener
 from test_e2e_pd import PD, start_router  # noqa: E402
 
 pytestmark = pytest.mark.e2e
-CFG = {**NEEDLE_CFG, "pd_read_timeout_s": 5.0}
+# leases of 15 s (renewed every 3.75 s by the decode node's renewal thread): the requests here
+# decode for longer than that, and the decode-killed test waits for one to expire
+CFG = {**NEEDLE_CFG, "pd_read_timeout_s": 5.0, "pd_lease_s": 15.0}
 RETRACT_EVERY = 16
 RELEASED = re.compile(r"OasisKV PD: released request \S+: its sparse layers' KV in this node's host tier ([\d.]+) MiB "
                       r".* vs ([\d.]+) MiB allocated whole \((?:([\d.]+)x less|none held)\); host tier resident "
@@ -149,7 +153,7 @@ def test_idle_nodes_do_not_spin_the_cpu(pd):
 def test_prefill_pages_are_released_by_the_decode_node(tok, pd):
     """The prefill node has ``prefill_rows`` request rows; each transferred request holds one
     under its lease until the decode node releases it. More than twice as many requests in a row
-    finish only if the releases arrive (the lease would hold them for 600 s)."""
+    finish only if the releases arrive (the leases would hold them until ``pd_lease_s``)."""
     ids = tok.encode("The history of the printing press", add_special_tokens=False)
 
     def released():
@@ -244,6 +248,54 @@ def test_prefill_killed_mid_decode(model, tok, pd):
             break
         time.sleep(3)
     assert ok is not None, "no request served after the prefill node restarted"
+
+
+def _post_quietly(url, body):
+    try:
+        return requests.post(url, json=body, timeout=600).status_code
+    except requests.RequestException as e:
+        return repr(e)
+
+
+def test_decode_killed_mid_decode(tok, pd):
+    """Kill the decode process while it decodes a request: nothing tells the prefill node, but
+    the renewals stop, so it frees the request's lease (its pages and request row) within
+    ``pd_lease_s``; its idle memory check then passes and it stays healthy. (The last test of
+    this deployment: its decode node is not restarted.)"""
+    import threading
+
+    p = needle.build(tok, 2048, 0.5)
+    body = {"model": "m", "messages": p.messages, "max_tokens": 300, "temperature": 0, "ignore_eos": True}
+    mark_d, mark_p = len(pd.dc.log()), len(pd.pf.log())
+    answer = []
+    # the router keeps the client waiting after the decode node died: the request is left to
+    # its own timeout on a daemon thread, not awaited
+    threading.Thread(target=lambda: answer.append(_post_quietly(pd.url + "/v1/chat/completions", body)),
+                     daemon=True).start()
+    n = len(needle.chat_ids(tok, p.messages))
+    t0 = time.time()
+    while time.time() - t0 < 600 and n not in [int(m[0]) for m in ADMITTED.findall(pd.dc.log()[mark_d:])]:
+        assert not answer, answer
+        time.sleep(0.5)
+    time.sleep(2 * CFG["pd_lease_s"] / 4)            # decoding; the renewal thread has renewed by now
+    assert "expired: no release or renewal" not in pd.pf.log()[mark_p:], "a live decode node's lease expired"
+    assert not answer, answer
+    pd.dc.stop()
+    pd.dc = None
+    t_kill = time.time()
+    freed = None
+    while time.time() - t_kill < CFG["pd_lease_s"] + 60:
+        log = pd.pf.log()[mark_p:]
+        held = re.findall(r"OasisKV PD: freed \d+ lease\(s\);.* held now: (\d+)", log)
+        if "expired: no release or renewal from its decode node" in log and held and held[-1] == "0":
+            freed = time.time() - t_kill
+            break
+        time.sleep(1)
+    assert freed is not None, pd.pf.log()[mark_p:][-3000:]
+    assert freed < CFG["pd_lease_s"] + 30, freed
+    time.sleep(3)                                     # an idle loop or two: SGLang's memory check runs
+    assert "leak" not in pd.pf.log()[mark_p:].lower()
+    assert requests.get(pd.pf.url + "/health", timeout=30).status_code == 200
 
 
 @pytest.mark.skipif(not extra_e2e(), reason="opt-in: OASIS_E2E_EXTRA=1 (a second PD deployment, ~6 min on 2 cores)")

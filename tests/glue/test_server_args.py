@@ -77,6 +77,8 @@ def test_oasis_sets_dependent_defaults(model, monkeypatch):
     (dict(disaggregation_mode="decode", disaggregation_transfer_backend="nixl",
           disaggregation_decode_enable_offload_kvcache=True), "--disaggregation-decode-enable-offload-kvcache"),
     (dict(kv_sparse_config='{"pd_lease_s": 0}'), "pd_lease_s"),
+    (dict(kv_sparse_config='{"pd_lease_s": 0.5}'), "at least 1 second"),
+    (dict(kv_sparse_config='{"pd_lease_s": 1e11}'), "at most 86400"),
     (dict(kv_sparse_config='{"pd_lease_s": %d}' % 10 ** 400), "pd_lease_s"),
     (dict(kv_sparse_config='{"pd_read_timeout_s": "10"}'), "pd_read_timeout_s"),
 ])
