@@ -28,11 +28,10 @@ Rules (stated, tested in tests/e2e/test_e2e_pd_oasis.py):
   the transfer named by the prefill node's page of its last token, or ``oasis-release:<room>``;
   NIXL notifications); a lease neither renewed nor released for ``pd_lease_s`` seconds (60 by
   default) expires: a decode node that died or was cut off loses its leases within that time.
-  Only rows a decode batch held within the last lease are renewed (``DecodeSide.seen``). A
-  decode node that could not renew a lease for 0.9 of its length (its process was stopped, its
-  renewals failed) ends that request with an error before its next batch and reads none of its
-  blocks again (``DecodeSide.cut_off_stale``), instead of reading pages its prefill node may have
-  given to another request. A lease's length is the shorter of the two nodes' ``pd_lease_s``
+  A decode node that could not renew a lease for 0.9 of its length (its process was stopped, its
+  renewals failed) ends that request with an error before its next batch and starts no read of
+  its blocks again (``DecodeSide.cut_off_stale``; reads already in flight land in its own pages),
+  instead of reading pages its prefill node may have given to another request. A lease's length is the shorter of the two nodes' ``pd_lease_s``
   (the prefill node's travels in its ``TierLayout``). Not detected: a decode node stopped for a
   whole lease between a transfer's end and the request's admission.
 - Off CUDA the decode node's host tier holds only the blocks it read or decoded (``core/host_tier.py``
@@ -233,15 +232,14 @@ class Admitted:
     here (block by block), ``peer`` the prefill node's NIXL agent, ``room`` its bootstrap room,
     ``src_last`` the prefill node's page of its last block (names the transfer in releases:
     ``PrefillSide.lease``), ``renewed`` the ``time.monotonic()`` of the last renewal of its
-    lease sent (its admission first), ``seen`` of the last decode batch that held it,
-    ``lease_s`` its lease's length (the shorter of the two nodes' ``pd_lease_s``)."""
+    lease sent (its admission first), ``lease_s`` its lease's length (the shorter of the two
+    nodes' ``pd_lease_s``)."""
     pages: torch.Tensor
     peer: str
     room: int
     rid: str
     src_last: int = -1
     renewed: float = 0.0
-    seen: float = 0.0
     lease_s: float = 60.0
 
 
@@ -298,6 +296,7 @@ class DecodeSide:
         self._rows_lock = threading.Lock()
         self._renewer: threading.Thread | None = None
         self._stop_renewing = threading.Event()
+        self._wake = threading.Event()
         # released requests: their bytes in this host tier, and what a whole allocation holds
         self.released_requests = self.held_bytes_total = self.whole_bytes_total = 0
         # bytes per page of the draft model's KV cache, which SGLang sends whole (set by the glue; None: not yet read)
@@ -373,45 +372,37 @@ class DecodeSide:
         self._failed.pop(key, None)
         return agent
 
-    def renew(self) -> int:
+    def renew(self, due_only: bool = True) -> int:
         """Keep the leases of the requests decoding here alive on their prefill nodes: one
-        ``oasis-renew:<room>`` notification per request (none to a lost node). The renewal
-        thread calls it every ``lease_s / 4`` (:meth:`_renew_loop`), not the scheduler's loop: a
-        decode step that runs long (a synchronous read, a slow CPU step) must not cost its
-        requests their leases, while a process that died stops renewing at once.
+        ``oasis-renew:<room>`` notification per request (none to a lost node, none for a stale
+        row), for each request whose last renewal is a quarter of its lease old (``due_only``)
+        or for every one. The renewal thread calls it every eighth of the shortest lease
+        (:meth:`_renew_loop`), not the scheduler's loop: a decode step that runs long (a
+        synchronous read, a slow CPU step) or a request waiting in SGLang's queues must not lose
+        its lease, while a process that died stops renewing at once.
 
         Returns: notifications sent. Thread-safe (NIXL agents here use STRICT thread sync).
         """
         if self.tier.closed:
             return 0
-        self.check_stale()
         now = time.monotonic()
+        self.check_stale(now)
         with self._rows_lock:
-            # a row no decode batch held for a whole lease (SGLang never freed it, or the
-            # scheduler is stuck) is not renewed: its prefill node's pages are not held forever
-            held = [a for r, a in self.rows.items() if r not in self.stale and now - a.seen <= a.lease_s]
-        n = 0
-        for adm in held:
-            n += self._renew_one(adm)
-        return n
+            due = [a for r, a in self.rows.items()
+                   if r not in self.stale and (not due_only or now - a.renewed >= a.lease_s / 4)]
+        return sum(self._renew_one(a) for a in due)
 
-    def seen(self, rows, now: float | None = None) -> None:
-        """The decode batch about to run holds request ``rows`` (scheduler's thread, before each
-        batch: ``sglang_hooks.abort_lost``); only rows seen within a lease are renewed."""
-        now = time.monotonic() if now is None else now
-        for r in rows:
-            adm = self.rows.get(r)
-            if adm is not None:
-                adm.seen = now
-
-    def _renew_interval(self) -> float:
-        """Seconds between renewals: a quarter of the shortest lease held (at most a day)."""
+    def _tick(self) -> float:
+        """Seconds the renewal thread sleeps: an eighth of the shortest lease held (at most a day)."""
         with self._rows_lock:
             lease = min([self.lease_s] + [a.lease_s for a in self.rows.values()])
-        return min(lease / 4, 86400.0)
+        return min(lease / 8, 86400.0)
 
     def _renew_one(self, adm: Admitted) -> int:
         if adm.peer in self.remote.lost or self.tier.closed:
+            return 0
+        if time.monotonic() - adm.renewed > self.STALE * adm.lease_s:
+            self.check_stale()           # too late (the process stalled since the check): the lease may be gone
             return 0
         try:
             self.tier.agent.send_notif(adm.peer, RENEW + str(adm.room).encode())
@@ -441,9 +432,10 @@ class DecodeSide:
             return dict(self.stale)
 
     def cut_off_stale(self) -> dict[int, str]:
-        """Scheduler's thread, before a batch: stop reading the pages of stale rows
+        """Scheduler's thread, before a batch: start no more reads of the pages of stale rows
         (``RemoteBlocks.cut_off``; SGLang still runs an ending request's last forward, which must
-        not read pages that may be another request's). Returns the stale rows -> why."""
+        not read pages that may be another request's; reads already in flight land in the
+        request's own pages). Returns the stale rows -> why."""
         stale = self.check_stale()
         for r in stale:
             adm = self.rows.get(r)
@@ -453,7 +445,11 @@ class DecodeSide:
         return stale
 
     def _renew_loop(self) -> None:
-        while not self._stop_renewing.wait(self._renew_interval()):
+        while not self._stop_renewing.is_set():
+            self._wake.wait(self._tick())         # woken early by an admission (its lease may be shorter)
+            self._wake.clear()
+            if self._stop_renewing.is_set():
+                return
             try:
                 self.renew()
             except Exception:  # noqa: BLE001 - a renewal that failed must not end the thread
@@ -522,7 +518,7 @@ class DecodeSide:
         self.engine.reset_rows([row])
         self.remote.admit(pages, peer, src)
         now = time.monotonic()
-        adm = Admitted(pages, peer, int(room), rid, int(src[-1]), now, now,
+        adm = Admitted(pages, peer, int(room), rid, int(src[-1]), now,
                        min(self.lease_s, self.peer_lease.get(peer, self.lease_s)))
         with self._rows_lock:
             self.rows[int(row)] = adm
@@ -530,6 +526,7 @@ class DecodeSide:
             self._cut.discard(int(row))
         self._renew_one(adm)           # at once: its lease was made when the prefill node saw the transfer end
         self._start_renewer()
+        self._wake.set()               # the thread's tick follows the shortest lease held
         n = pages.numel()
         draft = self.draft_page_bytes or 0
         sent = n * (getattr(self.pool, "pd_page_bytes", 0) + draft)
@@ -580,7 +577,7 @@ class DecodeSide:
             self.remote.wait_reads_into(pages)         # no read may land in memory given back
             held = self.held_bytes(row, pages, tokens)
             self.engine.host.discard(self._with_free_neighbours(pages))
-            if adm is not None:
+            if adm is not None and int(row) not in self._cut:   # (a cut-off row counts every piece as here)
                 whole = pages.numel() * self.remote.L * self.remote.H * self.engine.block_bytes
                 self.released_requests += 1
                 self.held_bytes_total += held
@@ -662,6 +659,7 @@ class DecodeSide:
         ``lease_s``). A read still running after the fetcher's wait keeps the tier registered
         (its memory may still be written)."""
         self._stop_renewing.set()
+        self._wake.set()
         if self._renewer is not None:
             self._renewer.join(timeout=10)
         if self.fetcher.close():

@@ -308,17 +308,15 @@ def _abort(req, message: str) -> None:
 
 
 def abort_lost(batch) -> None:
-    """Before a decode batch runs (``scheduler_hooks.run_batch_hook``): note which rows it holds
-    (``DecodeSide.seen``: only those keep their leases renewed), and end with an error the
+    """Before a decode batch runs (``scheduler_hooks.run_batch_hook``): end with an error the
     requests whose prefill node was lost (their blocks cannot be read any more) or whose lease
     there was not renewed for most of its length (``DecodeSide.cut_off_stale``: the pages may be
-    another request's by now, so they are not read again, also not in the request's last
+    another request's by now, so no read of them starts again, also not in the request's last
     forward). (Leases are renewed by ``DecodeSide``'s renewal thread, not here.)"""
     s = side()
     if not isinstance(s, DecodeSide):
         return
     reqs = getattr(batch, "reqs", None) or []
-    s.seen([r.req_pool_idx for r in reqs])
     stale = s.cut_off_stale()
     if not s.remote.lost and not stale:
         return

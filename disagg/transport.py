@@ -82,9 +82,13 @@ class TierLayout:
             d = json.loads(b)
             d["metadata"] = base64.b64decode(d["metadata"])
             d["k_ptrs"], d["v_ptrs"] = tuple(d["k_ptrs"]), tuple(d["v_ptrs"])
-            lay = cls(**d)
+            # fields a later version adds are left out (an older layout lacks lease_s: 0)
+            lay = cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"OasisKV PD: malformed tier layout: {type(e).__name__}: {e}") from e
+        ls = lay.lease_s
+        if isinstance(ls, bool) or not isinstance(ls, (int, float)) or not 0 <= ls <= 86400:
+            raise ValueError(f"OasisKV PD: tier layout: lease_s {ls!r}: want seconds in 0..86400")
         if len(lay.k_ptrs) != len(lay.v_ptrs):
             raise ValueError(f"OasisKV PD: tier layout: {len(lay.k_ptrs)} k_ptrs, {len(lay.v_ptrs)} v_ptrs")
         return lay

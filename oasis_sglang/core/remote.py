@@ -182,8 +182,9 @@ class RemoteBlocks:
         self._mirror(pages)
 
     def cut_off(self, pages: torch.Tensor) -> None:
-        """Read nothing more for ``pages [N]`` (int64): their pieces count as present from now on
-        (whatever this node's host tier holds there), so no step reads them from their peer.
+        """Start no more reads for ``pages [N]`` (int64): their pieces count as present from now
+        on (whatever this node's host tier holds there), so no step reads them from their peer
+        (reads already in flight still land in these pages; ``release`` waits for them).
         For a request about to end with an error whose peer's pages may no longer be its own
         (``disagg.serving.DecodeSide.check_stale``); ``release`` still ends it as usual."""
         pages = torch.as_tensor(pages, dtype=torch.int64).cpu().reshape(-1)
