@@ -22,8 +22,9 @@ Rules (stated, tested in tests/e2e/test_e2e_pd_oasis.py):
   answering at that bootstrap address again is used for new requests.
 - Prefill pages: after SGLang's transfer the prefill node holds the request's pages under a
   lease instead of freeing them (``PrefillSide.lease``); the decode node renews it while the
-  request decodes (``oasis-renew:<room>`` at admission and every ``pd_lease_s / 4``, sent by a
-  thread of its own, so a live process renews even while its scheduler is busy) and releases it
+  request is admitted (``oasis-renew:<room>`` at admission and then every quarter to three
+  eighths of the lease, sent by a thread of its own, so a live process renews even while its
+  scheduler is busy or the request waits in SGLang's queues) and releases it
   when the request ends, is retracted or cannot be admitted (``oasis-release:<room>:<page>``,
   the transfer named by the prefill node's page of its last token, or ``oasis-release:<room>``;
   NIXL notifications); a lease neither renewed nor released for ``pd_lease_s`` seconds (60 by
@@ -31,9 +32,14 @@ Rules (stated, tested in tests/e2e/test_e2e_pd_oasis.py):
   A decode node that could not renew a lease for 0.9 of its length (its process was stopped, its
   renewals failed) ends that request with an error before its next batch and starts no read of
   its blocks again (``DecodeSide.cut_off_stale``; reads already in flight land in its own pages),
-  instead of reading pages its prefill node may have given to another request. A lease's length is the shorter of the two nodes' ``pd_lease_s``
-  (the prefill node's travels in its ``TierLayout``). Not detected: a decode node stopped for a
-  whole lease between a transfer's end and the request's admission.
+  instead of reading pages its prefill node may have given to another request (checked before
+  each batch: a forward already running when the process stalled still reads). The thread renews
+  every admitted row while the process lives: a hung scheduler or a row SGLang never frees keeps
+  its prefill pages held (SGLang's watchdog ends a hung forward). All peers are renewed from one
+  thread: a peer whose notifications block delays the others' renewals. A lease's length is the
+  shorter of the two nodes' ``pd_lease_s`` (the prefill node's travels in its ``TierLayout``).
+  Not detected: a decode node stopped for a whole lease between a transfer's end and the
+  request's admission.
 - Off CUDA the decode node's host tier holds only the blocks it read or decoded (``core/host_tier.py``
   commits memory on demand; a request's blocks are given back when it ends or is retracted).
 - Retraction on the decode node (its KV slots ran out): the request is recomputed by its prefill
@@ -82,6 +88,15 @@ logger = logging.getLogger(__name__)
 RELEASE = b"oasis-release:"
 RENEW = b"oasis-renew:"
 TIER_ROUTE = "/oasis/tier"
+
+def lease_clock() -> float:
+    """Seconds on the clock a decode node times its leases' renewals with: ``CLOCK_BOOTTIME``
+    (it keeps counting while the host is suspended, when the prefill node's leases expire
+    anyway), ``time.monotonic`` where there is none."""
+    return time.clock_gettime(_BOOTTIME) if _BOOTTIME is not None else time.monotonic()
+
+
+_BOOTTIME = getattr(time, "CLOCK_BOOTTIME", None)
 
 # this process's side (one scheduler / TP rank per process); set by sglang_glue/install.py
 _SIDE: "PrefillSide | DecodeSide | None" = None
@@ -231,9 +246,10 @@ class Admitted:
     """A decode-node request admitted from a prefill node: ``pages [N]`` int64 its host pages
     here (block by block), ``peer`` the prefill node's NIXL agent, ``room`` its bootstrap room,
     ``src_last`` the prefill node's page of its last block (names the transfer in releases:
-    ``PrefillSide.lease``), ``renewed`` the ``time.monotonic()`` of the last renewal of its
-    lease sent (its admission first), ``lease_s`` its lease's length (the shorter of the two
-    nodes' ``pd_lease_s``)."""
+    ``PrefillSide.lease``), ``renewed`` the :func:`lease_clock` time the last renewal of its
+    lease was sent (its admission first), ``retry`` whether the last renewal failed (it is
+    sent again at the renewal thread's next tick), ``lease_s`` its lease's length (the shorter
+    of the two nodes' ``pd_lease_s``)."""
     pages: torch.Tensor
     peer: str
     room: int
@@ -241,6 +257,7 @@ class Admitted:
     src_last: int = -1
     renewed: float = 0.0
     lease_s: float = 60.0
+    retry: bool = False
 
 
 class DecodeSide:
@@ -285,7 +302,6 @@ class DecodeSide:
         self.admission_bytes = self.full_transfer_bytes = 0       # over every admitted request
         self._failed: dict[tuple[str, int], tuple[float, str]] = {}   # (host, port) -> (retry after, why)
         self.lease_s = float(lease_s)
-        self.renew_s = self.lease_s / 4
         # a row whose lease may have expired on its prefill node: no renewal for STALE of the
         # lease (a stopped process, renewals failing); its pages there may be another request's
         self.stale: dict[int, str] = {}
@@ -385,11 +401,11 @@ class DecodeSide:
         """
         if self.tier.closed:
             return 0
-        now = time.monotonic()
+        now = lease_clock()
         self.check_stale(now)
         with self._rows_lock:
             due = [a for r, a in self.rows.items()
-                   if r not in self.stale and (not due_only or now - a.renewed >= a.lease_s / 4)]
+                   if r not in self.stale and (not due_only or a.retry or now - a.renewed >= a.lease_s / 4)]
         return sum(self._renew_one(a) for a in due)
 
     def _tick(self) -> float:
@@ -399,17 +415,20 @@ class DecodeSide:
         return min(lease / 8, 86400.0)
 
     def _renew_one(self, adm: Admitted) -> int:
-        if adm.peer in self.remote.lost or self.tier.closed:
+        agent = self.tier.agent
+        if adm.peer in self.remote.lost or agent is None:
             return 0
-        if time.monotonic() - adm.renewed > self.STALE * adm.lease_s:
-            self.check_stale()           # too late (the process stalled since the check): the lease may be gone
+        t = lease_clock()                # before the send: the prefill node may count from its start
+        if t - adm.renewed > self.STALE * adm.lease_s:
+            self.check_stale(t)          # too late (the process stalled since the check): the lease may be gone
             return 0
         try:
-            self.tier.agent.send_notif(adm.peer, RENEW + str(adm.room).encode())
+            agent.send_notif(adm.peer, RENEW + str(adm.room).encode())
         except Exception as e:  # noqa: BLE001 - the next read from that peer decides whether it is lost
             logger.warning("OasisKV PD: renewing the lease of request %s failed: %s", adm.rid, e)
+            adm.retry = True
             return 0
-        adm.renewed = time.monotonic()
+        adm.renewed, adm.retry = t, False
         with self._rows_lock:
             self.renewals += 1
         return 1
@@ -422,7 +441,7 @@ class DecodeSide:
         request), so their blocks must not be read any more (:meth:`cut_off_stale`);
         :func:`~.sglang_hooks.abort_lost` ends them with an error. Happens when this process was stopped, or its renewals
         failed, for most of a lease. Returns the stale rows -> why."""
-        now = time.monotonic() if now is None else now
+        now = lease_clock() if now is None else now
         with self._rows_lock:
             for r, a in self.rows.items():
                 if r not in self.stale and a.peer not in self.remote.lost and now - a.renewed > self.STALE * a.lease_s:
@@ -517,7 +536,7 @@ class DecodeSide:
                              f"tier has {self.fetcher.peers[peer].num_pages} pages")
         self.engine.reset_rows([row])
         self.remote.admit(pages, peer, src)
-        now = time.monotonic()
+        now = lease_clock()
         adm = Admitted(pages, peer, int(room), rid, int(src[-1]), now,
                        min(self.lease_s, self.peer_lease.get(peer, self.lease_s)))
         with self._rows_lock:

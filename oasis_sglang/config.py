@@ -75,7 +75,7 @@ class OasisConfig:
             (on CPU, where nothing crosses a link, it stays unlimited).
         pd_lease_s: PD: seconds a prefill node keeps a transferred request's KV pages (its
             host-tier blocks are the decode node's staging pool, read on demand) without a
-            release (request finished) or a renewal (sent every ``pd_lease_s / 4`` while the
+            release (request finished) or a renewal (sent every quarter lease while the
             request decodes, by a thread of the decode node's process) from its decode node:
             the longest a decode node that died holds its requests' pages there. Default 60; 1..86400.
         pd_read_timeout_s: PD decode node: deadline in seconds of one NIXL read of blocks from

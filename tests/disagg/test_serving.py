@@ -16,7 +16,7 @@ import torch
 
 pytest.importorskip("nixl")
 
-from oasis_sglang.disagg.serving import Admitted, DecodeSide, PrefillSide, set_side  # noqa: E402
+from oasis_sglang.disagg.serving import Admitted, DecodeSide, PrefillSide, lease_clock, set_side  # noqa: E402
 from oasis_sglang.disagg.transport import TierLayout  # noqa: E402
 from test_admission import BS, H, HQ, LAYERS, ROWS, TOKENS, D, decode, engine, locs, prefill, prefilled  # noqa: E402
 
@@ -231,7 +231,7 @@ def test_renewals_keep_a_lease_and_bad_messages_and_releases_do_not_stop_the_loo
         time.sleep(0.05)
     assert freed == [2] and 1 not in ps.leases and ps.released == 2      # the raising release was dropped, logged
     assert ps.leases[3].deadline > t0 + 100                                # renewed to lease_s from now
-    now = time.monotonic()
+    now = lease_clock()
     ds.rows[5] = Admitted(torch.tensor([0]), peer, 3, "r", renewed=now)
     ds.remote.lost["gone"] = "test"
     ds.rows[6] = Admitted(torch.tensor([1]), "gone", 4, "r4", renewed=now)
@@ -246,7 +246,7 @@ def test_a_live_decode_node_keeps_its_leases_and_a_gone_one_loses_them_within_th
     """The decode node's renewal thread keeps a request's lease alive for several lease lengths
     with nobody calling ``renew`` (a busy scheduler); once the node is gone (closed: it sends
     nothing more) the prefill node frees the lease within ``lease_s``."""
-    lease = 2.0
+    lease = 4.0
     pf, dc, ps, ds, dpool = make_sides(256, lease_s=lease)
     try:
         *_, rt_d, _, _, _ = transferred(pf, dc, dpool, 40, 2)
@@ -260,7 +260,7 @@ def test_a_live_decode_node_keeps_its_leases_and_a_gone_one_loses_them_within_th
             ps.poll()
             assert not freed, "a live decode node's lease expired"
             time.sleep(0.05)
-        assert ds.renewals >= 8, ds.renewals                     # every lease / 4
+        assert ds.renewals >= 6, ds.renewals                     # every quarter to three eighths of a lease
         ds.close()                                               # the decode node is gone
         assert not ds._renewer.is_alive()
         t0 = time.monotonic()
@@ -306,6 +306,7 @@ def test_a_lease_not_renewed_for_most_of_its_length_ends_its_request():
         assert ds.fetcher.stats.bytes == read, "a stale row's pages were read"
         n = ds.renewals
         assert ds.renew() == 0 and ds.renewals == n              # a stale lease is not renewed
+        assert ds._renew_one(ds.rows[2]) == 0 and ds.renewals == n   # not even asked directly: too late
         ds.release(2)
         assert not ds.stale and not ds._cut
     finally:
@@ -313,28 +314,42 @@ def test_a_lease_not_renewed_for_most_of_its_length_ends_its_request():
         ps.close()
 
 
+def test_a_renewal_that_failed_is_sent_again_at_the_next_tick_and_a_late_one_is_not_sent(sides):
+    pf, dc, ps, ds, dpool = sides
+    peer = ds.peers[("prefill-host", 1)]
+    now = lease_clock()
+    ds.rows[5] = Admitted(torch.tensor([0]), "no-such-agent", 3, "r", renewed=now, lease_s=600.0)
+    assert ds._renew_one(ds.rows[5]) == 0 and ds.rows[5].retry          # NIXL refused: retried
+    ds.rows[5].peer = peer
+    assert ds.renew() == 1 and not ds.rows[5].retry                     # due at once, not a quarter lease later
+    ds.rows[5].renewed = lease_clock() - 0.95 * 600
+    assert ds._renew_one(ds.rows[5]) == 0 and 5 in ds.stale             # too late: stale, not renewed
+    ds.rows.clear()
+    ds.stale.clear()
+
+
 def test_the_shorter_lease_of_the_two_nodes_rules():
     """A prefill node whose ``pd_lease_s`` is shorter than the decode node's sets the pace (its
     layout says it): its requests are renewed often enough for its lease, also when the
     renewal thread was sleeping on the decode node's longer tick when they were admitted."""
-    pf, dc, ps, ds, dpool = make_sides(256, lease_s=2.0, decode_lease_s=20.0)
+    pf, dc, ps, ds, dpool = make_sides(256, lease_s=4.0, decode_lease_s=40.0)
     try:
         peer = ds.peers[("prefill-host", 1)]
-        assert ds.peer_lease[peer] == 2.0
-        ds._start_renewer()                                      # asleep on the decode node's tick (2.5 s)
+        assert ds.peer_lease[peer] == 4.0
+        ds._start_renewer()                                      # asleep on the decode node's tick (5 s)
         time.sleep(0.2)
         *_, rt_d, _, _, _ = transferred(pf, dc, dpool, 40, 2)
         freed = []
         ps.lease(7, lambda: freed.append(7), "req-7")
         ds.admit(2, rt_d[2], 40, "prefill-host", 1, 7, "req-7")
-        assert ds.rows[2].lease_s == 2.0 and ds._tick() == 0.25
-        t_end = time.monotonic() + 3 * 2.0
+        assert ds.rows[2].lease_s == 4.0 and ds._tick() == 0.5
+        t_end = time.monotonic() + 2 * 4.0
         while time.monotonic() < t_end:
             ps.poll()
             assert not freed, "a live decode node's lease expired"
             assert not ds.check_stale()
             time.sleep(0.05)
-        assert ds.renewals >= 6, ds.renewals
+        assert ds.renewals >= 4, ds.renewals
     finally:
         ds.close()
         ps.close()
