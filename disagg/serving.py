@@ -269,8 +269,8 @@ class DecodeSide:
         pool: the ``OasisKVPool`` (its ``pd_page_ids`` receive the prefill pages).
         read_timeout_s: ``OasisConfig.pd_read_timeout_s`` (seconds per NIXL read).
         tp_rank: this rank (names the NIXL agent). lease_s: ``OasisConfig.pd_lease_s``
-            (leases are renewed every quarter of it, by a thread started at the first admission:
-            :meth:`renew`).
+            (leases are renewed every quarter to three eighths of it, or of the prefill node's
+            if shorter, by a thread started at the first admission: :meth:`renew`).
         free_pages: returns ``[F]`` int64 the pages SGLang's allocator holds free (a freed
             request's blocks that share an OS page with free neighbours are given back with
             them); ``None``: only whole OS pages inside the request's own blocks.

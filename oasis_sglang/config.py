@@ -75,8 +75,8 @@ class OasisConfig:
             (on CPU, where nothing crosses a link, it stays unlimited).
         pd_lease_s: PD: seconds a prefill node keeps a transferred request's KV pages (its
             host-tier blocks are the decode node's staging pool, read on demand) without a
-            release (request finished) or a renewal (sent every quarter lease while the
-            request decodes, by a thread of the decode node's process) from its decode node:
+            release (request finished) or a renewal (sent every quarter to three eighths of the
+            lease while the request is admitted, by a thread of the decode node's process) from its decode node:
             the longest a decode node that died holds its requests' pages there. Default 60; 1..86400.
         pd_read_timeout_s: PD decode node: deadline in seconds of one NIXL read of blocks from
             a prefill node; a read that fails or runs past it marks that node lost and ends its
@@ -173,7 +173,7 @@ class OasisConfig:
                 raise OasisConfigError(f"kv_sparse_config: '{key}' must be a positive number of seconds, got {val!r}")
             object.__setattr__(self, key, float(val))
         if not 1.0 <= self.pd_lease_s <= 86400.0:
-            # renewed every quarter lease by a thread: below a second it would mostly spin, and a
+            # renewed every quarter to three eighths of a lease by a thread: below a second it would mostly spin, and a
             # lease would lapse on any hiccup of the decode node; above a day a dead node's pages stay held
             raise OasisConfigError(f"kv_sparse_config: 'pd_lease_s' must be at least 1 second and at most 86400 "
                                    f"(a day), got {self.pd_lease_s!r}")
