@@ -313,6 +313,9 @@ class DecodeSide:
         self._renewer: threading.Thread | None = None
         self._stop_renewing = threading.Event()
         self._wake = threading.Event()
+        # lease_clock() time before which no row can turn stale: the check before every batch
+        # skips its loop over the rows until then (renewals only move a row's time later)
+        self._next_stale = float("inf")
         # released requests: their bytes in this host tier, and what a whole allocation holds
         self.released_requests = self.held_bytes_total = self.whole_bytes_total = 0
         # bytes per page of the draft model's KV cache, which SGLang sends whole (set by the glue; None: not yet read)
@@ -420,7 +423,8 @@ class DecodeSide:
             return 0
         t = lease_clock()                # before the send: the prefill node may count from its start
         if t - adm.renewed > self.STALE * adm.lease_s:
-            self.check_stale(t)          # too late (the process stalled since the check): the lease may be gone
+            self._next_stale = t         # too late (the process stalled since the check): the lease may be gone
+            self.check_stale(t)
             return 0
         try:
             agent.send_notif(adm.peer, RENEW + str(adm.room).encode())
@@ -442,12 +446,20 @@ class DecodeSide:
         :func:`~.sglang_hooks.abort_lost` ends them with an error. Happens when this process was stopped, or its renewals
         failed, for most of a lease. Returns the stale rows -> why."""
         now = lease_clock() if now is None else now
+        if now < self._next_stale and not self.stale:
+            return {}                    # no row can be stale yet: no loop over the rows (before every batch)
         with self._rows_lock:
+            nxt = float("inf")
             for r, a in self.rows.items():
-                if r not in self.stale and a.peer not in self.remote.lost and now - a.renewed > self.STALE * a.lease_s:
+                if r in self.stale or a.peer in self.remote.lost:
+                    continue
+                if now - a.renewed > self.STALE * a.lease_s:
                     self.stale[r] = (f"its lease on prefill node {a.peer} was last renewed {now - a.renewed:.1f} s "
                                      f"ago (pd_lease_s {a.lease_s:g}): its pages there may have been freed")
                     logger.error("OasisKV PD: request %s: %s", a.rid, self.stale[r])
+                else:
+                    nxt = min(nxt, a.renewed + self.STALE * a.lease_s)
+            self._next_stale = nxt
             return dict(self.stale)
 
     def cut_off_stale(self) -> dict[int, str]:
@@ -543,6 +555,7 @@ class DecodeSide:
             self.rows[int(row)] = adm
             self.stale.pop(int(row), None)
             self._cut.discard(int(row))
+            self._next_stale = min(self._next_stale, now + self.STALE * adm.lease_s)
         self._renew_one(adm)           # at once: its lease was made when the prefill node saw the transfer end
         self._start_renewer()
         self._wake.set()               # the thread's tick follows the shortest lease held

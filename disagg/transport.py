@@ -56,7 +56,10 @@ class TierLayout:
 
     Crosses the network as JSON (``to_bytes`` / ``from_bytes``). Sizes: ``num_pages`` blocks per
     layer and KV head, ``head_num`` KV heads, ``k_piece_bytes`` / ``v_piece_bytes`` bytes of one
-    (KV head, block) piece (``bs * D * elem``).
+    (KV head, block) piece (``bs * D * elem``), ``lease_s`` the seconds a prefill node holds a
+    transferred request's pages without a renewal (its ``pd_lease_s``; 0: not said).
+    ``from_bytes`` ignores fields a later version adds and raises ValueError for a ``lease_s``
+    outside 0..86400.
     """
 
     agent: str

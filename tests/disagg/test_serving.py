@@ -290,6 +290,7 @@ def test_a_lease_not_renewed_for_most_of_its_length_ends_its_request():
         ds.admit(2, rt_d[2], prompt, "prefill-host", 1, 7, "req-7")
         assert ds.renewals == 1                                  # renewed at admission
         assert not ds.check_stale()
+        assert ds._next_stale == pytest.approx(ds.rows[2].renewed + ds.STALE * lease)   # no loop before then
         ds._stop_renewing.set()                                  # the renewals stop (a stopped process)
         ds._renewer.join()
         time.sleep(ds.STALE * lease + 0.2)
