@@ -8,6 +8,7 @@ from .append_tokens import append_tokens
 from .copy_blocks import copy_blocks
 from .paged_attention import paged_attention
 from .plan_transfer import budget_candidates, plan_transfer
+from .replay_churn import replay_churn
 from .share_budget import share_budget
 from .sparse_decode import sparse_decode_attention
 from .topk import select_topk
@@ -59,6 +60,12 @@ class TritonKVOps(BaseKVOps):
     def share_budget(self, cand_pos, budget, clock, k):
         """See :meth:`BaseKVOps.share_budget` (``kernels.share_budget``: one program)."""
         return share_budget(cand_pos, budget, clock, k)
+
+    def replay_churn(self, wanted, forced, ids, rows, mean, seq, salt, nb_max):
+        """See :meth:`BaseKVOps.replay_churn` (``kernels.replay_churn``: one launch per layer)."""
+        if ids.shape[-1] > MAX_FUSED_PLAN_K:
+            return TorchKVOps.replay_churn(self, wanted, forced, ids, rows, mean, seq, salt, nb_max)
+        return replay_churn(wanted.contiguous(), forced.contiguous(), ids, rows, mean, seq, salt=salt)
 
     def plan_transfer(self, ids, last_used, rows, wanted, forced, step, fetch_cap, seq, req_to_token,
                       block_size, num_pages, counters, skip_row=None, allow=None):

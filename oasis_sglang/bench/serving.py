@@ -794,7 +794,10 @@ def main() -> int:
                       "measuring it again", file=sys.stderr)
             todo.append(r)
         pending = False
-        took: dict[tuple, float] = {}        # (system, input_len) -> seconds of its last run in this call
+        took: dict[tuple, float] = {}        # (system, input_len) -> seconds of its last run in this call,
+        #                                      its server's start left out (counted in start_est)
+        prompt_tokens: dict[tuple, int] = {}  # (system, input_len) -> tokens its requests sent
+        start_est = a.run_estimate           # seconds a server start takes (the last start of this call)
         bar = tqdm(total=len(todo), desc=f"bench_oasis {a.suite}", file=sys.stderr)
 
         def record(res: dict) -> None:
@@ -822,16 +825,19 @@ def main() -> int:
             srv = None
             for i, run in enumerate(group):
                 est = took.get((run.system, run.input_len))
-                if est is None:    # scale the last run of the system by context (prefill and KV grow with it)
-                    same = [(n, t) for (sy, n), t in took.items() if sy == run.system]
-                    est = max(t * max(1.0, run.input_len / n) for n, t in same) if same else a.run_estimate
+                if est is None:    # scale the system's runs by the tokens the run prefills (batch x context)
+                    same = [(t, prompt_tokens[k]) for k, t in took.items() if k[0] == run.system]
+                    est = max(t * max(1.0, run.batch * run.input_len / n) for t, n in same) if same \
+                        else a.run_estimate
+                if srv is None:    # this run starts a server first
+                    est += start_est
                 if a.deadline is not None and time.time() - T0 + est > a.deadline:
                     left = [r.key for r in todo[todo.index(run):]]
                     print(f"bench_oasis: --deadline {a.deadline:.0f} s: {len(left)} runs left for --resume: {left}",
                           file=sys.stderr)
                     pending = True
                     break
-                t_run = time.time()
+                t_run, start_s = time.time(), 0.0
                 if len(group) > 1 and srv is None:
                     name = f"server_{run.system}_{run.pool}_shared.log"
                     try:
@@ -849,8 +855,12 @@ def main() -> int:
                 else:
                     res = run_one(run, a, out, srv=srv)
                 if "error" not in res:
-                    took[(run.system, run.input_len)] = time.time() - t_run
-                    res["run_s"] = round(took[(run.system, run.input_len)], 1)
+                    res["run_s"] = round(time.time() - t_run, 1)       # the shared server's start included
+                    start_s = res.get("start_s", start_s)
+                    if start_s:
+                        start_est = start_s
+                    took[(run.system, run.input_len)] = time.time() - t_run - start_s
+                    prompt_tokens[(run.system, run.input_len)] = run.batch * run.input_len
                 record(res)
             if srv is not None:
                 srv.stop()

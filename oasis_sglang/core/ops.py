@@ -1,4 +1,4 @@
-"""The hot operations of OasisKV (seven) behind one interface, with their torch references.
+"""The hot operations of OasisKV (seven, and the benchmarks' churn replay) behind one interface, with their torch references.
 
 ``TorchKVOps`` is the reference implementation (any device; the path used on CPU).
 ``oasis_sglang.kernels.TritonKVOps`` implements the same methods as Triton kernels (CUDA, or
@@ -21,6 +21,7 @@ import torch
 
 from .attention import decode_attention, gather_working_set
 from .budget import share_budget
+from .churn import replay_churn
 from .selection import quest_scores, select_blocks
 from .working_set import budget_candidates, plan_admissions
 
@@ -114,6 +115,21 @@ class BaseKVOps:
             k: top-K list length.
         Returns:
             ``[N]`` int32 shares. No host sync.
+        """
+        raise NotImplementedError
+
+    def replay_churn(self, wanted, forced, ids, rows, mean: float, seq, salt: int, nb_max: int):
+        """Benchmarks only (``bench_oasis --churn``): the prediction rewritten to miss about
+        ``mean`` resident blocks per (request, KV head) (``core.churn.replay_churn``: order,
+        dither, clamps).
+
+        Args:
+            wanted, forced: ``[B, H, K]`` int64 / bool from ``select_topk``.
+            ids: ``[R, H, K]`` int64 the layer's resident blocks per row; rows: ``[B]`` the batch's rows.
+            mean: blocks per step and KV head; seq: ``[B]`` int64 context lengths (tokens) and
+                ``salt`` (the layer) seed the dither; nb_max: every block id is below it.
+        Returns:
+            ``(wanted, forced)`` of the same shapes and dtypes. No host sync.
         """
         raise NotImplementedError
 
@@ -268,6 +284,10 @@ class TorchKVOps(BaseKVOps):
     def share_budget(self, cand_pos, budget, clock, k):
         """Reference: ``core.budget.share_budget``."""
         return share_budget(cand_pos, budget, clock, k)
+
+    def replay_churn(self, wanted, forced, ids, rows, mean, seq, salt, nb_max):
+        """Reference: ``core.churn.replay_churn`` (about 25 kernels; bitmap membership)."""
+        return replay_churn(wanted, forced, ids[rows], mean, seq, salt=salt, nb_max=nb_max)
 
     def plan_transfer(self, ids, last_used, rows, wanted, forced, step, fetch_cap, seq, req_to_token,
                       block_size, num_pages, counters, skip_row=None, allow=None):

@@ -25,7 +25,6 @@ import torch
 from ..config import OasisConfig
 from .bench_hooks import BenchHooks
 from .budget import TransferBudget
-from .churn import replay_churn
 from .host_tier import HostTier
 from .ops import BaseKVOps
 from .prediction import PredictionRecord
@@ -73,7 +72,7 @@ class PrefetchStages:
                                               cfg.sink_blocks, cfg.recent_blocks, nb_max, cfg.budget_blocks)
         churn = self.bench.churn_mean(li, self.ws.L)
         if churn is not None:        # benchmarks: a measured admission rate instead of random weights'
-            wanted, forced = replay_churn(wanted, forced, self.ws.ids[li][rows], churn, seq, salt=li, nb_max=nb_max)
+            wanted, forced = self.ops.replay_churn(wanted, forced, self.ws.ids[li], rows, churn, seq, li, nb_max)
         return wanted, forced
 
     @property

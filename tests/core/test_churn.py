@@ -142,14 +142,17 @@ def test_bench_hooks_read_oasis_churn(tmp_path, monkeypatch, caplog):
             BenchHooks(churn=bad)
 
 
-def test_an_engine_replaying_churn_admits_about_the_profile_per_head(seed):
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_an_engine_replaying_churn_admits_about_the_profile_per_head(seed, backend):
     """Random queries on a full working set would churn the whole cap; replayed, the counters
-    show about the profile's admissions per (request, layer, KV head) and step."""
+    show about the profile's admissions per (request, layer, KV head) and step, with the torch
+    ops and with the Triton ops (kernel 8; the interpreter on CPU)."""
     from oasis_sglang.config import OasisConfig
+    from oasis_sglang.kernels import get_kv_ops
 
     cfg = OasisConfig(budget_tokens=64, block_size=4, dense_layers=(0,), fetch_cap=None, predictor="previous",
                       transfer_budget=None)
-    eng = OasisSparseKV(cfg, 3, 4096, 4, 2, 8, 8, torch.float32, "cpu")
+    eng = OasisSparseKV(cfg, 3, 4096, 4, 2, 8, 8, torch.float32, "cpu", ops=get_kv_ops(backend))
     eng.bench = BenchHooks(churn=(2.0,))
     rt = torch.zeros(4, 1024, dtype=torch.int32)
     rows = [1, 2]

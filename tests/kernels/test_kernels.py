@@ -406,6 +406,41 @@ def test_share_budget_equals_reference_exactly(seed, N, C, K):
             assert int(got.sum()) == (total if budget < 0 else min(budget, total))
 
 
+@pytest.mark.parametrize("B,H,K", [(1, 1, 5), (3, 2, 16), (5, 4, 128), (2, 3, 200)])
+def test_replay_churn_equals_reference_exactly(seed, B, H, K):
+    """Kernel 8 (benchmarks' churn replay) against ``core.churn.replay_churn``: real top-K lists
+    (``select_blocks``, sink / recent blocks forced) against resident sets that share some of them,
+    rows gathered in the kernel, free slots (-1), means from none to past K, NaN, and layers (salt)
+    whose dither term passes 2**31; also equal to the reference's bitmap path (ids below nb_max)."""
+    from oasis_sglang.core.churn import replay_churn as ref
+    from oasis_sglang.kernels.replay_churn import replay_churn
+
+    g = torch.Generator().manual_seed(seed)
+    R, nb = B + 3, 3 * K + 7
+    n = torch.randint(K // 2 + 1, nb + 1, (B,), generator=g)
+    wanted, forced = select_blocks(torch.randn(B, H, nb, generator=g), n, n - 1, K, 1, 2)
+    ids = torch.full((R, H, K), -1, dtype=torch.int64)
+    for r in range(R):
+        for h in range(H):
+            pool = wanted[min(r, B - 1), h]
+            pool = pool[pool >= 0][torch.randperm(int((pool >= 0).sum()), generator=g)][:K // 3]
+            rest = [x for x in torch.randperm(nb, generator=g).tolist() if x not in set(pool.tolist())]
+            row = torch.cat([pool, torch.tensor(rest[:K - len(pool)], dtype=torch.int64)])
+            free = torch.rand(K, generator=g) < 0.2                     # some free slots
+            ids[r, h] = torch.where(free, -1, row[torch.randperm(K, generator=g)])
+    rows = torch.randperm(R, generator=g)[:B]
+    seq = torch.randint(0, 200_000, (B,), generator=g)
+    w_d, f_d, ids_d, rows_d, seq_d = (t.to(DEV) for t in (wanted, forced, ids, rows, seq))
+    for mean in (0.0, 1.0, 2.5, 7.3, float(K + 3), float("nan"), -1.0):
+        for salt in (0, 3, 35):
+            want_w, want_f = ref(wanted, forced, ids[rows], mean, seq, salt=salt)
+            bit_w, _ = ref(wanted, forced, ids[rows], mean, seq, salt=salt, nb_max=nb)
+            got_w, got_f = replay_churn(w_d, f_d, ids_d, rows_d, mean, seq_d, salt=salt)
+            assert got_w.dtype == torch.int64 and got_f.dtype == torch.bool and got_w.shape == (B, H, K)
+            assert torch.equal(want_w, got_w.cpu()) and torch.equal(want_f, got_f.cpu()), (mean, salt)
+            assert torch.equal(bit_w, want_w), (mean, salt)
+
+
 @pytest.mark.parametrize("fn", ["reference", "kernel"])
 def test_plan_transfer_a_huge_cap_is_unbounded(seed, fn):
     """A cap of K or more admits like no cap (n_free + cap must not overflow: 2**63 - 1 did)."""
