@@ -94,6 +94,13 @@ class OasisConfig:
         measure_agreement: also score each step's own query and record, per layer, how much of
             its top-K the prediction held (costs the synchronous scoring; measurement only).
             Default false.
+        dense_short_contexts: a decode step whose every request's context (the next token's
+            included) fits the working set, and whose working sets already hold every block of
+            it, runs the dense path: no scoring, top-K, plan or host-to-device copy in any
+            sparse layer; the new token's block gets a free slot once per step for all layers
+            (``OasisSparseKV.begin_decode_step``). Attention is over all of each context, as
+            the full path's selection would pick, and the outputs are bitwise the full path's.
+            Eager steps only for now: a captured CUDA graph replays the full path. Default true.
 
     Raises:
         OasisConfigError: on any invalid value, naming the key.
@@ -108,6 +115,7 @@ class OasisConfig:
     kernels: str = "auto"
     predictor: str = "auto"
     measure_agreement: bool = False
+    dense_short_contexts: bool = True
     transfer_budget: Union[str, int, float, None] = "auto"
     pd_lease_s: float = 60.0
     pd_read_timeout_s: float = 10.0
@@ -180,9 +188,9 @@ class OasisConfig:
         if self.pd_read_mode not in PD_READ_MODES:
             raise OasisConfigError(
                 f"kv_sparse_config: 'pd_read_mode' must be one of {list(PD_READ_MODES)}, got {self.pd_read_mode!r}")
-        if not isinstance(self.measure_agreement, bool):
-            raise OasisConfigError(
-                f"kv_sparse_config: 'measure_agreement' must be true or false, got {self.measure_agreement!r}")
+        for key in ("measure_agreement", "dense_short_contexts"):
+            if not isinstance(getattr(self, key), bool):
+                raise OasisConfigError(f"kv_sparse_config: '{key}' must be true or false, got {getattr(self, key)!r}")
 
     def predictor_for(self, has_draft: bool, model_free_draft: bool = False) -> str:
         """The predictor name for a server with (``has_draft``) or without speculative decoding.

@@ -515,8 +515,59 @@ class OasisSparseKV:
             else:
                 step.sync = not rec.all_predicted_device(rows_d, seq)
             s.sync_steps += int(step.sync)
+        step.dense = self._can_run_dense(host, max_seq)
+        if step.dense:
+            step.sync = False
+            s.dense_steps += 1
         self.prepare_step_device()
+        if step.dense:
+            self._dense_plan(step)
+        if host is not None and self.record.trusted and (step.dense or (
+                not self.predictor.asynchronous and max_seq + 1 <= self.ws.K * self.bs)):
+            # the working sets hold every block of the context (a dense step: of the next one too;
+            # a synchronous full step: of this one, which selects them all): the next step may run dense
+            self.record.mark(rows_d, step.seq_p1)
+            self.record.mirror(host[0], [x + 1 for x in host[1]])
         return step
+
+    def _can_run_dense(self, host, max_seq: int) -> bool:
+        """Host-only: this eager step may take the dense path for short contexts
+        (``dense_short_contexts``): every row's next context fits the working set
+        (``max_seq + 1 <= K * bs`` tokens) and the host record says each row's working set was
+        made whole for exactly this context (by the last step or the prefill's prediction). Not
+        with ``measure_agreement``, on a PD decode node, under the benchmarks' prefetch hooks,
+        or without host rows."""
+        cfg, b = self.cfg, self.bench
+        if not cfg.dense_short_contexts or host is None or not host[0] or cfg.measure_agreement:
+            return False
+        if self.stages.remote is not None or b.skip_prefetch or b.assume_predicted:
+            return False
+        if max_seq + 1 > self.ws.K * self.bs or not self.record.trusted:
+            return False
+        return self.record.all_predicted_host(*host)
+
+    def _dense_plan(self, st: DecodeStep) -> None:
+        """The dense step's working-set update, for every sparse layer at once (``ids`` /
+        ``last_used`` ``[L, R, H, K]``): the blocks of the tokens at ``seq - 1`` and ``seq`` (the
+        one this step appends and the next step's) each get the first free slot where not
+        resident; every resident block of the next context is marked used at the next step's
+        LRU clock and counted a hit, as the full path's plan would (``plan_admissions``: with
+        ``K`` at least the context's blocks the top-K is every block, and missing ones take free
+        slots in slot order). A new block has no token before the appended one: nothing is
+        copied. About a dozen launches per step instead of the per-layer pipeline; no host read."""
+        self.pipe.join()                          # plans queued on the stage streams write ids
+        ids, lu, bs = self.ws.ids, self.ws.last_used, self.bs
+        rows, seq = st.rows, st.seq
+        held = ids[:, rows]                                                   # [L, B, H, K]
+        nb_next = ((seq + bs) // bs)[None, :, None, None]                     # blocks of seq + 1 tokens
+        self.counters[:, 0] += ((held >= 0) & (held < nb_next)).sum((1, 2, 3))
+        for j in ((seq - 1) // bs, seq // bs):
+            jj = j[None, :, None, None]
+            need = ~(held == jj).any(-1, keepdim=True) & (held < 0).any(-1, keepdim=True)
+            e = (held < 0).to(torch.int8).argmax(-1, keepdim=True)          # first free slot
+            held.scatter_(-1, e, torch.where(need, jj.expand_as(e), held.gather(-1, e)))
+        ids[:, rows] = held
+        lu[:, rows] = torch.where((held >= 0) & (held < nb_next), st.clock_next, lu[:, rows])
 
     def _begin_replay(self, rows_host, seq_lens_host, width: int | None) -> DecodeStep:
         """``begin_decode_step(mode="replay")``: the host side of what the captured layers did
@@ -673,7 +724,7 @@ class OasisSparseKV:
             vx = as_stored(v_draft.view(B, self.head_num, self.v_head_dim), self.kv_dtype)
         out, _ = self.ops.sparse_decode_attention(qq, self.ws.k[li], self.ws.v[li], self.ws.ids[li], rows, seq,
                                                   scale, k_extra=kx, v_extra=vx)
-        if self.predictor.asynchronous and not self.bench.skip_prefetch:
+        if self.predictor.asynchronous and not self.bench.skip_prefetch and not st.dense:
             qd = None if q_draft is None else q_draft.view(B, -1, self.head_dim)
             self.stages.launch(li, self.predictor.query(qv, qd), rows, st.seq_p1, rtt, -(-(st.max_seq + 1) // bs),
                                st.clock_next)

@@ -23,6 +23,7 @@ class OasisStats:
     decode_steps: int = 0
     sync_steps: int = 0              # steps that selected synchronously although the predictor is async
     graph_steps: int = 0             # decode steps replayed from a CUDA graph (counted in decode_steps)
+    dense_steps: int = 0             # eager steps on the dense path for short contexts (no selection)
     new_request_started: bool = False  # a prefill ran before the last decode step
 
 
@@ -37,7 +38,7 @@ def residency(eng: "OasisSparseKV") -> dict:
         A dict with the keys ``predictor, context_tokens, device_working_set_tokens,
         budget_tokens, sparse_layers, working_set_bytes, summary_bytes, host_tier_bytes,
         decode_steps, hit_blocks, admitted_blocks, evicted_blocks, bytes_h2d, bytes_d2h,
-        sync_steps, graph_steps, exposed_wait_ms, exposed_wait_timed, agreement,
+        sync_steps, graph_steps, dense_steps, exposed_wait_ms, exposed_wait_timed, agreement,
         prediction_check, transfer_budget_bytes`` (bytes a step may admit; ``None``: unlimited).
     Raises:
         RuntimeError: a decoded token found its block not resident (``WorkingSet.check``).
@@ -74,6 +75,7 @@ def residency(eng: "OasisSparseKV") -> dict:
         "bytes_d2h": written_back * eng.block_bytes,
         "sync_steps": s.sync_steps,
         "graph_steps": s.graph_steps,
+        "dense_steps": s.dense_steps,
         "transfer_budget_bytes": eng.budget.bytes_per_step if eng.budget.enabled else None,
         "exposed_wait_ms": eng.pipe.exposed_wait_ms(),
         "exposed_wait_timed": eng.last_step_timed,

@@ -53,6 +53,8 @@ class DecodeStep:
         seq_offset: tokens ``prepare_step_device`` adds to ``seq_lens`` to make ``seq`` (a
             captured paired verify step: 1; eager steps add it at once and keep 0).
         seq_lens: the lengths as the caller passed them (``seq`` before ``seq_offset``).
+        dense: the dense path for short contexts (``OasisConfig.dense_short_contexts``): every
+            row's working set holds its whole context, so no sparse layer selects or copies.
     """
 
     mode: StepMode
@@ -70,6 +72,7 @@ class DecodeStep:
     clock_next: torch.Tensor | None = None
     seq_offset: int = 0
     seq_lens: torch.Tensor | None = None
+    dense: bool = False
 
     def __post_init__(self):
         if self.seq_lens is None:

@@ -31,6 +31,7 @@ def format_residency(r: dict) -> str:
             f"predictor: {r['predictor']}, fallback synchronous steps: {r['sync_steps']}, "
             f"prediction check: {r.get('prediction_check', 'device')}, "
             f"decode steps: {r.get('decode_steps', 0)}, cuda graph steps: {r.get('graph_steps', 0)}, "
+            f"dense steps: {r.get('dense_steps', 0)}, "
             + ("" if r.get("transfer_budget_bytes", None) is None else
                f"transfer budget: {r['transfer_budget_bytes'] / 2**20:.1f} MiB/step, ")
             + (f"exposed wait: {sum(r['exposed_wait_ms']):.3f} ms (last step, all sparse layers)"
@@ -78,6 +79,7 @@ _COUNTERS = {"running": r"OasisKV decode: #running-req: (\d+)", "sparse_layers":
              "evicted_blocks": r"evicted blocks: (\d+)", "h2d_mib": r"H2D: (\d+(?:\.\d+)?) MiB",
              "host_tier_mib": r"host tier: (\d+(?:\.\d+)?) MiB", "decode_steps": r"decode steps: (\d+)",
              "graph_steps": r"cuda graph steps: (\d+)",
+             "dense_steps": r"dense steps: (\d+)",
              "transfer_budget_mib": r"transfer budget: (\d+(?:\.\d+)?) MiB/step"}
 
 
@@ -85,7 +87,7 @@ def parse_decode_counters(line: str) -> dict[str, float | None]:
     """The numbers of an ``OasisKV decode`` log line: ``running`` (requests of the step the line
     is about), ``sparse_layers``, ``hit_rate`` (0-1, since start-up),
     ``admitted_blocks`` / ``evicted_blocks`` (blocks, cumulative), ``h2d_mib`` (MiB copied host to
-    device, cumulative), ``host_tier_mib`` (MiB), ``decode_steps`` / ``graph_steps`` (cumulative),
+    device, cumulative), ``host_tier_mib`` (MiB), ``decode_steps`` / ``graph_steps`` / ``dense_steps`` (cumulative),
     ``transfer_budget_mib`` (MiB a step may admit, when a step budget is sized); None for a
     field the line lacks (an older format, or no budget)."""
     if not isinstance(line, str):

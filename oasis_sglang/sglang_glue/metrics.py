@@ -16,6 +16,7 @@ sglang:oasis_d2h_bytes_total                counter  bytes device -> host (compl
 sglang:oasis_sync_steps_total               counter  steps selected synchronously (rows not predicted)
 sglang:oasis_decode_steps_total             counter  decode steps (sparse layers) since start-up
 sglang:oasis_graph_steps_total              counter  of those, replayed from a CUDA graph
+sglang:oasis_dense_steps_total              counter  of those, on the dense path for short contexts
 sglang:oasis_exposed_wait_seconds           gauge    compute-stream stall on transfers, last step
 sglang:oasis_agreement                      gauge    measure_agreement: mean per-layer agreement
 sglang:oasis_agreement_min_layer            gauge    measure_agreement: lowest layer's agreement
@@ -26,10 +27,10 @@ sglang:oasis_draft_match_rate               gauge    with a draft: drafts equal 
 from __future__ import annotations
 
 COUNTERS = ("hit_blocks", "admitted_blocks", "evicted_blocks", "bytes_h2d", "bytes_d2h", "sync_steps",
-            "decode_steps", "graph_steps")
+            "decode_steps", "graph_steps", "dense_steps")
 _NAMES = {"hit_blocks": "hit_blocks", "admitted_blocks": "admitted_blocks", "evicted_blocks": "evicted_blocks",
           "bytes_h2d": "h2d_bytes", "bytes_d2h": "d2h_bytes", "sync_steps": "sync_steps",
-          "decode_steps": "decode_steps", "graph_steps": "graph_steps"}
+          "decode_steps": "decode_steps", "graph_steps": "graph_steps", "dense_steps": "dense_steps"}
 
 
 class OasisMetrics:

@@ -68,7 +68,7 @@ def test_the_line_of_a_real_report_round_trips_through_both_parsers(seed):
     assert got == {"running": 2, "sparse_layers": 2, "hit_rate": round(hits / (hits + adm), 3), "admitted_blocks": adm,
                    "evicted_blocks": r["evicted_blocks"], "h2d_mib": round(r["bytes_h2d"] / 2**20, 1),
                    "host_tier_mib": round(r["host_tier_bytes"] / 2**20, 1), "decode_steps": 12, "graph_steps": 0,
-                   "transfer_budget_mib": None}
+                   "dense_steps": 0, "transfer_budget_mib": None}
     assert r["transfer_budget_bytes"] is None and "transfer budget" not in line, \
         "'auto' on the CPU: no link was measured, the budget is unlimited"
     res = parse_residency(line)
@@ -89,7 +89,8 @@ def test_decode_counters_parse_the_line_the_backend_writes():
          "sync_steps": 0, "exposed_wait_ms": [0.0], "agreement": None, "decode_steps": 42, "graph_steps": 40}
     got = parse_decode_counters("[t] OasisKV decode: " + format_residency(r))
     assert got == {"running": 2, "sparse_layers": 28, "hit_rate": 0.75, "admitted_blocks": 100, "evicted_blocks": 7, "h2d_mib": 3.0,
-                   "host_tier_mib": 5.0, "decode_steps": 42, "graph_steps": 40, "transfer_budget_mib": None}
+                   "host_tier_mib": 5.0, "decode_steps": 42, "graph_steps": 40, "dense_steps": 0,
+                   "transfer_budget_mib": None}
 
 
 def test_optional_fields_of_the_line(seed):

@@ -1,0 +1,136 @@
+"""The dense path for short contexts (``dense_short_contexts``, core/engine.py): a decode step
+whose every request's next context fits the working set skips scoring, top-K, plans and copies,
+and still computes exactly what the full path computes, also when a request grows past the
+budget mid-decode and when a batch mixes short and long requests; a dense step leaves every
+block of the next context resident."""
+
+import pytest
+import torch
+
+from oasis_sglang.config import OasisConfig, OasisConfigError
+from oasis_sglang.core import OasisSparseKV
+from oasis_sglang.core.attention import decode_attention
+
+H, D, HQ, BS, BUDGET = 2, 8, 6, 4, 64          # 16 blocks of 4 tokens per (request, layer, KV head)
+
+
+def _engine(dense: bool, predictor: str, fetch_cap=2):
+    cfg = OasisConfig(budget_tokens=BUDGET, block_size=BS, dense_layers=(0,), fetch_cap=fetch_cap,
+                      predictor=predictor, transfer_budget=None, dense_short_contexts=dense)
+    return OasisSparseKV(cfg, 3, 1024, 4, H, D, D, torch.float32, "cpu")
+
+
+def _drive(eng, reqs, steps, g):
+    """Prefill ``reqs`` ({row: prompt tokens}) in both sparse layers, then decode ``steps``
+    steps of the whole batch with host rows and lengths (as SGLang's glue passes them).
+    Returns every step's attention outputs per sparse layer and the step's dense flag."""
+    rt = torch.zeros(4, 512, dtype=torch.int32)
+    for r in reqs:
+        rt[r] = torch.arange(512, dtype=torch.int32) + 256 * (r - 1)
+    rows = sorted(reqs)
+    n = dict(reqs)
+    data = {}
+    for r in rows:
+        for l in eng.sparse_layers:
+            k, v, q = (torch.randn(n[r] + steps, H if i < 2 else HQ, D, generator=g) for i in range(3))
+            data[r, l] = (k, v, q)
+            eng.write_kv(l, rt[r, :n[r]].long(), k[:n[r]], v[:n[r]])
+            eng.extend_attention(l, q[:n[r]], torch.tensor([r]), torch.tensor([0]), torch.tensor([n[r]]), rt, None,
+                                 k[:n[r]], v[:n[r]])
+    outs, dense = [], []
+    for t in range(steps):
+        seq = [n[r] + t + 1 for r in rows]
+        st = eng.begin_decode_step(torch.tensor(rows), torch.tensor(seq), rt, rows_host=rows, seq_lens_host=seq)
+        dense.append(st.dense)
+        step = []
+        for l in eng.sparse_layers:
+            k = torch.stack([data[r, l][0][n[r] + t] for r in rows])
+            v = torch.stack([data[r, l][1][n[r] + t] for r in rows])
+            q = torch.stack([data[r, l][2][n[r] + t] for r in rows])
+            eng.write_kv(l, torch.stack([rt[r, n[r] + t] for r in rows]).long(), k, v, decode=True)
+            step.append(eng.decode_attention(l, q, k, v, None))
+        outs.append(step)
+    eng.ws.check()                       # no decoded token ever missed its block
+    return outs, dense, data
+
+
+@pytest.mark.parametrize("predictor", ["previous", "current"])
+def test_dense_steps_equal_the_full_path_through_the_budget(seed, predictor):
+    """One request of 40 tokens decodes 40 steps: it fits the 64-token working set for its
+    first 23 steps, then grows past it. The dense path's outputs are bitwise the full path's at
+    every step, dense steps stop once the next context no longer fits, and while they ran each
+    output was the dense attention over the whole context."""
+    got = []
+    for dense in (True, False):
+        eng = _engine(dense, predictor)
+        got.append(_drive(eng, {1: 40}, 40, torch.Generator().manual_seed(seed)) + (eng,))
+    (o_d, flags, data, eng_d), (o_f, flags_f, _, eng_f) = got
+    assert not any(flags_f), "dense_short_contexts false: never dense"
+    first = 0 if predictor == "previous" else 1      # current: the first step selects and makes the set whole
+    assert flags == [first <= t and 40 + t + 2 <= BUDGET for t in range(40)], flags
+    assert eng_d.stats.dense_steps == sum(flags) > 0
+    for t in range(40):
+        for a, b in zip(o_d[t], o_f[t]):
+            assert torch.equal(a, b), f"step {t}: the dense path differs from the full path"
+    for t in range(sum(flags)):
+        for i, l in enumerate(eng_d.sparse_layers):
+            k, v, q = data[1, l]
+            want = decode_attention(q[40 + t], k[:40 + t + 1], v[:40 + t + 1], None)
+            assert torch.allclose(o_d[t][i][0], want, atol=1e-5, rtol=1e-5), f"step {t} layer {l}"
+    assert torch.equal(eng_d.ws.ids, eng_f.ws.ids), "the same blocks in the same slots after the transition"
+    if predictor == "previous":          # the same LRU clocks (current's full path stamps this step's clock)
+        assert torch.equal(eng_d.ws.last_used, eng_f.ws.last_used)
+    r = eng_d.residency()
+    assert r["dense_steps"] == sum(flags) and r["evicted_blocks"] > 0
+
+
+def test_a_dense_step_leaves_the_next_context_resident_in_every_layer(seed):
+    """After each dense step, every (layer, KV head) of the row holds exactly the blocks of the
+    next context (the appended token's block and the next token's, from free slots), each once."""
+    eng, full = _engine(True, "previous"), _engine(False, "previous")
+    rt_steps = 20
+    outs, flags, _ = _drive(eng, {2: 7}, rt_steps, torch.Generator().manual_seed(seed))
+    _drive(full, {2: 7}, rt_steps, torch.Generator().manual_seed(seed))
+    assert all(flags)
+    assert torch.equal(eng.ws.ids, full.ws.ids) and torch.equal(eng.ws.last_used, full.ws.last_used), \
+        "the same slots and LRU clocks as the full path's plans"
+    n_next = 7 + rt_steps + 1
+    for li in range(len(eng.sparse_layers)):
+        for h in range(H):
+            held = sorted(x for x in eng.ws.ids[li, 2, h].tolist() if x >= 0)
+            assert held == list(range(-(-n_next // BS))), (li, h, held)
+
+
+def test_a_batch_with_one_long_request_takes_the_full_path(seed):
+    """Dense steps need every row to fit: a batch of a short and a long request selects for
+    both (and stays exact against the engine without the dense path)."""
+    got = []
+    for dense in (True, False):
+        eng = _engine(dense, "previous")
+        got.append(_drive(eng, {1: 10, 3: 90}, 6, torch.Generator().manual_seed(seed)))
+    assert not any(got[0][1])
+    for a, b in zip(got[0][0], got[1][0]):
+        for x, y in zip(a, b):
+            assert torch.equal(x, y)
+
+
+def test_without_host_rows_or_with_measure_agreement_no_step_is_dense(seed):
+    """The dense decision is made on the host: no host rows (an eager step without
+    ``rows_host``), ``measure_agreement`` or a bad value of the key give the full path or an
+    error naming the key."""
+    eng = _engine(True, "previous")
+    rt = torch.zeros(4, 512, dtype=torch.int32)
+    rt[1] = torch.arange(512, dtype=torch.int32)
+    for l in eng.sparse_layers:
+        k = torch.randn(9, H, D)
+        eng.write_kv(l, rt[1, :9].long(), k, k)
+        eng.extend_attention(l, torch.randn(9, HQ, D), torch.tensor([1]), torch.tensor([0]), torch.tensor([9]), rt,
+                             None, k, k)
+    assert not eng.begin_decode_step(torch.tensor([1]), torch.tensor([10]), rt).dense
+    cfg = OasisConfig(budget_tokens=BUDGET, block_size=BS, dense_layers=(0,), predictor="previous",
+                      measure_agreement=True)
+    e2 = OasisSparseKV(cfg, 3, 1024, 4, H, D, D, torch.float32, "cpu")
+    assert not any(_drive(e2, {1: 9}, 3, torch.Generator().manual_seed(seed))[1])
+    for bad in (1, "yes", None):
+        with pytest.raises(OasisConfigError, match="dense_short_contexts"):
+            OasisConfig(dense_short_contexts=bad)
