@@ -661,6 +661,28 @@ RUN_FIELDS = ("system", "input_len", "output_len", "batch", "pool", "fetch_cap",
 RUN_DEFAULTS = {"kv_dtype": "auto"}      # fields results stored before the field existed were measured with
 
 
+def estimate_run_s(run: Run, took: dict, prompt_tokens: dict, start_s: float | None, default: float) -> float:
+    """Seconds ``run`` is expected to take, for ``--deadline``.
+
+    Args:
+        took: ``(system, input_len) -> seconds`` of runs timed in this call, their server's start
+            left out; prompt_tokens: the same keys -> tokens those runs prefilled (batch x context).
+        start_s: seconds of the server start this run needs first (the last start timed in this
+            call; 0 when it runs on a server already up; None when no start was timed yet).
+        default: ``--run-estimate``, a whole run with its start, when nothing was timed yet.
+    Returns:
+        The same system and length's last time; else the system's runs scaled by the tokens
+        this run prefills (at least 1x); else ``default``; plus ``start_s`` for a timed figure.
+    """
+    est = took.get((run.system, run.input_len))
+    if est is None:
+        same = [(t, prompt_tokens[k]) for k, t in took.items() if k[0] == run.system]
+        if not same:
+            return default
+        est = max(t * max(1.0, run.batch * run.input_len / n) for t, n in same)
+    return est + (start_s or 0.0)
+
+
 def same_run(res: dict, run: Run) -> bool:
     """Whether a stored result measured ``run`` as planned now (same system, lengths, batch, pool,
     fetch cap and host tier), so ``--resume`` may skip it."""
@@ -797,7 +819,7 @@ def main() -> int:
         took: dict[tuple, float] = {}        # (system, input_len) -> seconds of its last run in this call,
         #                                      its server's start left out (counted in start_est)
         prompt_tokens: dict[tuple, int] = {}  # (system, input_len) -> tokens its requests sent
-        start_est = a.run_estimate           # seconds a server start takes (the last start of this call)
+        start_est = None                     # seconds a server start takes (the last start of this call)
         bar = tqdm(total=len(todo), desc=f"bench_oasis {a.suite}", file=sys.stderr)
 
         def record(res: dict) -> None:
@@ -824,13 +846,7 @@ def main() -> int:
         for group in server_groups(todo, share=not a.separate_servers):
             srv = None
             for i, run in enumerate(group):
-                est = took.get((run.system, run.input_len))
-                if est is None:    # scale the system's runs by the tokens the run prefills (batch x context)
-                    same = [(t, prompt_tokens[k]) for k, t in took.items() if k[0] == run.system]
-                    est = max(t * max(1.0, run.batch * run.input_len / n) for t, n in same) if same \
-                        else a.run_estimate
-                if srv is None:    # this run starts a server first
-                    est += start_est
+                est = estimate_run_s(run, took, prompt_tokens, start_est if srv is None else 0.0, a.run_estimate)
                 if a.deadline is not None and time.time() - T0 + est > a.deadline:
                     left = [r.key for r in todo[todo.index(run):]]
                     print(f"bench_oasis: --deadline {a.deadline:.0f} s: {len(left)} runs left for --resume: {left}",

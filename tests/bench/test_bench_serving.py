@@ -542,3 +542,24 @@ def test_an_fp8_run_is_compared_with_fp8_dense_and_a_failed_rerun_keeps_the_stor
                  "--output-len", "128") == 1                    # other settings: measured again, and it fails
     after = {r["key"]: r for r in json.loads((tmp_path / "bench_oasis.json").read_text())["results"]}
     assert after["short/1024/oasis"] == by["short/1024/oasis"], "the stored result is kept"
+
+
+def test_deadline_estimates_leave_the_server_start_out_and_scale_by_tokens_prefilled(bench):
+    """--deadline: a run timed in this call predicts the same run; another length of its system
+    scales by batch x context (at least 1x), plus a server start when the run needs one; with
+    nothing timed, --run-estimate (a whole run with its start). The 2026-12-05 H200 call stopped
+    after 4K because the 4K run's 200 s shared-server start was doubled for 8K."""
+    R = bench.Run
+    r4 = R("context/4096/oasis", "oasis", 4096, 256, 158)
+    r8 = R("context/8192/oasis", "oasis", 8192, 256, 82)
+    r32 = R("context/32768/oasis", "oasis", 32768, 256, 21)
+    d = R("context/8192/dense", "dense", 8192, 256, 32)
+    assert bench.estimate_run_s(r4, {}, {}, None, 150.0) == 150.0
+    assert bench.estimate_run_s(r4, {}, {}, 0.0, 150.0) == 150.0
+    took, tok = {("oasis", 4096): 61.0}, {("oasis", 4096): 158 * 4096}
+    assert bench.estimate_run_s(r4, took, tok, 0.0, 150.0) == 61.0
+    assert bench.estimate_run_s(r4, took, tok, 200.0, 150.0) == 261.0
+    assert bench.estimate_run_s(r8, took, tok, 0.0, 150.0) == pytest.approx(61.0 * 82 * 8192 / (158 * 4096))
+    assert bench.estimate_run_s(r32, took, tok, 0.0, 150.0) == pytest.approx(61.0 * 21 * 32768 / (158 * 4096))
+    assert bench.estimate_run_s(R("x", "oasis", 1024, 256, 8), took, tok, 0.0, 150.0) == 61.0, "at least 1x"
+    assert bench.estimate_run_s(d, took, tok, 90.0, 150.0) == 150.0, "another system: nothing timed"
