@@ -189,6 +189,10 @@ class OasisSparseKV:
                                        "ahead (previous or lookahead), not current")
         cfg = self.cfg if fetch_cap == "keep" else dataclasses.replace(self.cfg, fetch_cap=fetch_cap)
         self.cfg = self.stages.cfg = cfg
+        if predictor is not None:
+            # what the record holds means something else per predictor (a prefetched context, or
+            # for current a context selected whole): the next step of each row selects afresh
+            self.record.clear()
         self.predictor = pred
 
     def measure_link(self, pieces: int = 4096, repeats: int = 5) -> float | None:
@@ -370,6 +374,10 @@ class OasisSparseKV:
             self.ws.drop_blocks_from(li, rows.to(self.device, torch.int64),
                                      torch.tensor([p // self.bs for p in pre_c], device=self.device))
         keep = [i for i, e in enumerate(ext_c) if e > 0]        # rows with new tokens (SGLang sends no others)
+        if li == 0 and keep:
+            # their working sets were just cut back: no earlier prediction (or dense path mark)
+            # holds for them any more; an asynchronous predictor marks them again below
+            self.record.forget([rows_c[i] for i in keep])
         if self.predictor.asynchronous and keep and not self.bench.skip_prefetch:
             # the first decode step's working set, predicted from the last prompt token's query
             ends = torch.tensor(ext_c, device=self.device).cumsum(0) - 1
@@ -522,7 +530,7 @@ class OasisSparseKV:
         self.prepare_step_device()
         if step.dense:
             self._dense_plan(step)
-        if host is not None and self.record.trusted and (step.dense or (
+        if host is not None and self.record.trusted and self.cfg.dense_short_contexts and (step.dense or (
                 not self.predictor.asynchronous and max_seq + 1 <= self.ws.K * self.bs)):
             # the working sets hold every block of the context (a dense step: of the next one too;
             # a synchronous full step: of this one, which selects them all): the next step may run dense
@@ -556,11 +564,19 @@ class OasisSparseKV:
         slots in slot order). A new block has no token before the appended one: nothing is
         copied. About a dozen launches per step instead of the per-layer pipeline; no host read."""
         self.pipe.join()                          # plans queued on the stage streams write ids
+        self.pipe.forget_waits()                  # nothing waits on a transfer in this step
         ids, lu, bs = self.ws.ids, self.ws.last_used, self.bs
         rows, seq = st.rows, st.seq
         held = ids[:, rows]                                                   # [L, B, H, K]
         nb_next = ((seq + bs) // bs)[None, :, None, None]                     # blocks of seq + 1 tokens
-        self.counters[:, 0] += ((held >= 0) & (held < nb_next)).sum((1, 2, 3))
+        # hits as the full path counts them: a pipelined plan's, of the next context; a
+        # synchronous (current) plan's, of this one, where the block opened by this step's token
+        # was not resident yet (a dense step admitted it a step early)
+        if self.predictor.asynchronous:
+            hit = (held >= 0) & (held < nb_next)
+        else:
+            hit = (held >= 0) & (held * bs < (seq - 1)[None, :, None, None])
+        self.counters[:, 0] += hit.sum((1, 2, 3))
         for j in ((seq - 1) // bs, seq // bs):
             jj = j[None, :, None, None]
             need = ~(held == jj).any(-1, keepdim=True) & (held < 0).any(-1, keepdim=True)

@@ -85,6 +85,12 @@ class PredictionRecord:
             for r in torch.as_tensor(rows).reshape(-1).tolist():
                 self.host.pop(int(r), None)
 
+    def clear(self) -> None:
+        """Nothing is predicted for any row (device and host; no wait). The mirror is trusted
+        again (it equals the cleared device record)."""
+        self.seq.fill_(-1)
+        self.host = {}
+
     def confirm(self) -> None:
         """Compare the host mirror with the device record (a host read: call when reporting).
 

@@ -80,6 +80,7 @@ def test_dense_steps_equal_the_full_path_through_the_budget(seed, predictor):
     assert torch.equal(eng_d.ws.ids, eng_f.ws.ids), "the same blocks in the same slots after the transition"
     if predictor == "previous":          # the same LRU clocks (current's full path stamps this step's clock)
         assert torch.equal(eng_d.ws.last_used, eng_f.ws.last_used)
+    assert torch.equal(eng_d.counters, eng_f.counters), "the same hits, admissions, evictions, write-backs"
     r = eng_d.residency()
     assert r["dense_steps"] == sum(flags) and r["evicted_blocks"] > 0
 
@@ -134,3 +135,81 @@ def test_without_host_rows_or_with_measure_agreement_no_step_is_dense(seed):
     for bad in (1, "yes", None):
         with pytest.raises(OasisConfigError, match="dense_short_contexts"):
             OasisConfig(dense_short_contexts=bad)
+
+
+def _prefill(eng, rt, row, pre, n, k, v, q):
+    for l in eng.sparse_layers:
+        eng.write_kv(l, rt[row, pre:n].long(), k[l][pre:n], v[l][pre:n])
+        eng.extend_attention(l, q[l][pre:n], torch.tensor([row]), torch.tensor([pre]), torch.tensor([n - pre]), rt,
+                             None, k[l][pre:n], v[l][pre:n])
+
+
+def _decode(eng, rt, row, t, k, v, q):
+    st = eng.begin_decode_step(torch.tensor([row]), torch.tensor([t + 1]), rt, rows_host=[row], seq_lens_host=[t + 1])
+    out = []
+    for l in eng.sparse_layers:
+        eng.write_kv(l, rt[row, t:t + 1].long(), k[l][t:t + 1], v[l][t:t + 1], decode=True)
+        out.append(eng.decode_attention(l, q[l][t:t + 1], k[l][t:t + 1], v[l][t:t + 1], None))
+    return st, out
+
+
+@pytest.mark.parametrize("predictor", ["current", "previous"])
+def test_an_extend_of_a_decoding_row_forgets_its_marks(seed, predictor):
+    """A row decoded a few steps, then its tail is prefilled again (an extend over position 12,
+    as a streaming session's retry does): the extend cuts its working set back, so no earlier
+    mark may make the next step dense over the cut set. Outputs stay exactly the full path's and
+    the dense attention over the rewritten context."""
+    g = torch.Generator().manual_seed(seed)
+    rt = torch.zeros(4, 512, dtype=torch.int32)
+    rt[1] = torch.arange(512, dtype=torch.int32)
+    L = (1, 2)
+    k = {l: torch.randn(40, H, D, generator=g) for l in L}
+    v = {l: torch.randn(40, H, D, generator=g) for l in L}
+    q = {l: torch.randn(40, HQ, D, generator=g) for l in L}
+    outs = []
+    for dense in (True, False):
+        eng = _engine(dense, predictor)
+        kk, vv = {l: k[l].clone() for l in L}, {l: v[l].clone() for l in L}
+        _prefill(eng, rt, 1, 0, 10, kk, vv, q)
+        for t in range(10, 13):
+            _decode(eng, rt, 1, t, kk, vv, q)
+        for l in L:                                       # position 12 rewritten, then prefilled again
+            kk[l][12], vv[l][12] = -kk[l][12], 2 * vv[l][12]
+        _prefill(eng, rt, 1, 12, 13, kk, vv, q)
+        got = []
+        for t in range(13, 16):
+            st, o = _decode(eng, rt, 1, t, kk, vv, q)
+            got.append((st.dense, o))
+        eng.ws.check()
+        outs.append(got)
+        for i, (_, o) in enumerate(got):
+            t = 13 + i
+            for j, l in enumerate(L):
+                want = decode_attention(q[l][t], kk[l][:t + 1], vv[l][:t + 1], None)
+                assert torch.allclose(o[j][0], want, atol=1e-5, rtol=1e-5), (dense, t, l)
+    assert not outs[0][0][0] or predictor == "previous", "current: the step after the extend selects"
+    for (_, a), (_, b) in zip(*outs):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_switching_the_predictor_clears_the_record(seed):
+    """set_policy (benchmarks) to another predictor: what the record held meant something else
+    (current: a context selected whole; previous: one prefetched), so the next step selects
+    and no decoded token misses its block."""
+    g = torch.Generator().manual_seed(seed)
+    rt = torch.zeros(4, 512, dtype=torch.int32)
+    rt[1] = torch.arange(512, dtype=torch.int32)
+    L = (1, 2)
+    k, v, q = ({l: torch.randn(40, n, D, generator=g) for l in L} for n in (H, H, HQ))
+    for dense in (True, False):
+        eng = _engine(dense, "current", fetch_cap=2)
+        _prefill(eng, rt, 1, 0, 10, k, v, q)
+        for t in range(10, 12):
+            _decode(eng, rt, 1, t, k, v, q)
+        eng.set_policy(predictor="previous")
+        assert eng.record.host == {}
+        st, _ = _decode(eng, rt, 1, 12, k, v, q)
+        assert st.sync and not st.dense
+        for t in range(13, 16):
+            _decode(eng, rt, 1, t, k, v, q)
+        eng.ws.check()
