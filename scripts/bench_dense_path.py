@@ -29,8 +29,9 @@ SERVING = {"output_tok_s": r"Output token throughput \(tok/s\):\s+([\d.]+)",
            "median_ttft_ms": r"Median TTFT \(ms\):\s+([\d.]+)"}
 
 
-def bench_serving(url: str, model: str, a, log: Path) -> dict:
-    """``sglang.bench_serving``: ``a.requests`` random-id prompts sent at once; the figures it prints.
+def bench_serving(url: str, model: str, a, log: Path, per_request: Path) -> dict:
+    """``sglang.bench_serving``: ``a.requests`` random-id prompts sent at once; the figures it prints
+    (its output in ``log``, its per-request records in ``per_request``).
 
     Raises:
         RuntimeError: bench_serving exited non-zero (its stderr's tail in the message).
@@ -39,7 +40,7 @@ def bench_serving(url: str, model: str, a, log: Path) -> dict:
            "--dataset-name", "random-ids", "--random-input-len", str(a.input_len), "--random-output-len",
            str(a.output_len), "--random-range-ratio", "1", "--num-prompts", str(a.requests), "--max-concurrency",
            str(a.requests), "--tokenize-prompt", "--tokenizer", model, "--model", model, "--disable-tqdm",
-           "--seed", "1"]
+           "--seed", "1", "--output-file", str(per_request)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
     log.write_text(" ".join(cmd) + "\n" + r.stdout + "\n" + r.stderr[-4000:])
     if r.returncode:
@@ -90,7 +91,7 @@ def main() -> int:
         srv = launch(model, free_port(), args, out / f"server_{name}.log", echo=False)
         try:
             t0 = time.time()
-            res = bench_serving(srv.url, model, a, out / f"bench_serving_{name}.txt")
+            res = bench_serving(srv.url, model, a, out / f"bench_serving_{name}.txt", out / f"serving_{name}.jsonl")
             res["wall_s"] = round(time.time() - t0, 1)
             lines = srv.residency_lines()
             last = parse_decode_counters(lines[-1]) if lines else {}
