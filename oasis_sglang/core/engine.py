@@ -39,6 +39,7 @@ from . import attention as attn
 from .bench_hooks import BenchHooks
 from .budget import TransferBudget
 from .checks import as_int, check_batch, check_rows, check_table, host_lists
+from .devcopy import to_device
 from .host_tier import HostTier
 from .kv_dtype import as_stored, summary_dtype
 from .ops import BaseKVOps, TorchKVOps
@@ -125,6 +126,7 @@ class OasisSparseKV:
         self._host_steps = 0               # eager + replayed decode steps (host count)
         self._step: DecodeStep | None = None
         self._prefilled = False            # a prefill ran since the last decode step
+        self._dense_graphs = False         # a dense-path decode graph was captured (replays may choose it)
         self.last_batch = None             # (rows, seq) of the last step: device tensors, or host lists (replay)
         self.last_step_timed = False       # the last decode step's exposed wait was timed (eager, CUDA)
         self._fwd_stream = None            # stream of the last forward (CUDA), see ``reset_rows``
@@ -406,7 +408,8 @@ class OasisSparseKV:
     def begin_decode_step(self, rows: torch.Tensor, seq_lens: torch.Tensor, req_to_token: torch.Tensor, *,
                           mode: StepMode | str = StepMode.EAGER, max_seq_len: int | None = None,
                           rows_host: Sequence[int] | None = None,
-                          seq_lens_host: Sequence[int] | None = None, seq_offset: int = 0) -> DecodeStep:
+                          seq_lens_host: Sequence[int] | None = None, seq_offset: int = 0,
+                          dense: bool = False) -> DecodeStep:
         """Start a decode step: call once per batch, before its first sparse layer.
 
         Args:
@@ -429,6 +432,13 @@ class OasisSparseKV:
                 batch's ``seq_lens``. Added on the device: at once (eager) or in
                 ``prepare_step_device`` (capture, so a replay adds it to the replayed lengths).
                 ``seq_lens_host`` and ``max_seq_len`` already include it.
+            dense: ``capture`` only: capture the dense path for short contexts
+                (``dense_short_contexts``) as a second decode graph of the same batch size,
+                beside the full path's (``can_capture_dense``). Its layers select and copy
+                nothing; ``prepare_step_device`` records the slot update of ``_dense_plan``.
+                Once one was captured, a ``replay`` step whose rows take the dense path (the
+                host check of ``_can_run_dense``) returns ``DecodeStep.dense`` True: the
+                caller then replays the dense graph.
         Returns:
             The :class:`DecodeStep` the layers will read (also ``self.step``).
         Raises:
@@ -448,6 +458,12 @@ class OasisSparseKV:
             raise ValueError(f"{what}: mode {mode!r}: want one of {[m.value for m in StepMode]}") from None
         if seq_offset not in (0, 1) or isinstance(seq_offset, bool):
             raise ValueError(f"{what}: seq_offset {seq_offset!r}: want 0 or 1 (tokens beyond seq_lens)")
+        if dense is not False and (dense is not True or mode is not StepMode.CAPTURE):
+            raise ValueError(f"{what}: dense={dense!r} in a {mode.value} step: want True only when capturing "
+                             "(a replay chooses the dense graph itself)")
+        if dense and not self.can_capture_dense():
+            raise ValueError(f"{what}: dense capture while the dense path is off (can_capture_dense: "
+                             "dense_short_contexts off, measure_agreement, a PD decode node or benchmark hooks)")
         width = None if req_to_token is None else check_table(req_to_token, what)
         if mode is StepMode.REPLAY:
             return self._begin_replay(rows_host, seq_lens_host, width)
@@ -495,6 +511,9 @@ class OasisSparseKV:
                           sync=not self.predictor.asynchronous,
                           seq_offset=seq_offset if mode is StepMode.CAPTURE else 0)
         self._step = step
+        if mode is StepMode.CAPTURE and dense:
+            step.dense, step.sync = True, False
+            self._dense_graphs = True
         if mode is StepMode.CAPTURE or B == 0:
             return step
         self._note_forward_stream()
@@ -527,9 +546,7 @@ class OasisSparseKV:
         if step.dense:
             step.sync = False
             s.dense_steps += 1
-        self.prepare_step_device()
-        if step.dense:
-            self._dense_plan(step)
+        self.prepare_step_device()               # (a dense step's slot update included)
         if host is not None and self.record.trusted and self.cfg.dense_short_contexts and (step.dense or (
                 not self.predictor.asynchronous and max_seq + 1 <= self.ws.K * self.bs)):
             # the working sets hold every block of the context (a dense step: of the next one too;
@@ -537,6 +554,15 @@ class OasisSparseKV:
             self.record.mark(rows_d, step.seq_p1)
             self.record.mirror(host[0], [x + 1 for x in host[1]])
         return step
+
+    def can_capture_dense(self) -> bool:
+        """A decode CUDA graph of the dense path for short contexts may be captured beside the
+        full path's (``begin_decode_step(mode="capture", dense=True)``): ``dense_short_contexts``
+        is on, without ``measure_agreement``, a PD decode node's remote reads or the
+        benchmarks' prefetch hooks (the cases ``_can_run_dense`` refuses whatever the batch)."""
+        cfg, b = self.cfg, self.bench
+        return bool(cfg.dense_short_contexts) and not cfg.measure_agreement and self.stages.remote is None \
+            and not b.skip_prefetch and not b.assume_predicted
 
     def _can_run_dense(self, host, max_seq: int) -> bool:
         """Host-only: this eager step may take the dense path for short contexts
@@ -562,9 +588,13 @@ class OasisSparseKV:
         LRU clock and counted a hit, as the full path's plan would (``plan_admissions``: with
         ``K`` at least the context's blocks the top-K is every block, and missing ones take free
         slots in slot order). A new block has no token before the appended one: nothing is
-        copied. About a dozen launches per step instead of the per-layer pipeline; no host read."""
-        self.pipe.join()                          # plans queued on the stage streams write ids
-        self.pipe.forget_waits()                  # nothing waits on a transfer in this step
+        copied. About a dozen launches per step instead of the per-layer pipeline; no host read,
+        so a captured dense step records it (the padding row of a captured batch is updated
+        like any row but counts no hits)."""
+        if st.mode is not StepMode.CAPTURE:
+            self.pipe.join()                      # plans queued on the stage streams write ids
+            self.pipe.forget_waits()              # nothing waits on a transfer in this step
+        # (a capture: the full path's capture before it ended joined; a replay joins first)
         ids, lu, bs = self.ws.ids, self.ws.last_used, self.bs
         rows, seq = st.rows, st.seq
         held = ids[:, rows]                                                   # [L, B, H, K]
@@ -576,6 +606,8 @@ class OasisSparseKV:
             hit = (held >= 0) & (held < nb_next)
         else:
             hit = (held >= 0) & (held * bs < (seq - 1)[None, :, None, None])
+        if self.padding_row is not None:
+            hit &= (rows != self.padding_row)[None, :, None, None]
         self.counters[:, 0] += hit.sum((1, 2, 3))
         for j in ((seq - 1) // bs, seq // bs):
             jj = j[None, :, None, None]
@@ -605,11 +637,19 @@ class OasisSparseKV:
         s.graph_steps += 1
         s.new_request_started, self._prefilled = self._prefilled, False
         self.last_batch = (rows_l, seq_l)
+        max_seq = max(seq_l, default=0)
+        dense = self._dense_graphs and self._can_run_dense((rows_l, seq_l), max_seq)
+        s.dense_steps += int(dense)
         if self.predictor.asynchronous:
+            self.record.mirror(rows_l, [x + 1 for x in seq_l])
+        elif rows_l and self.cfg.dense_short_contexts and self.record.trusted and max_seq + 1 <= self.ws.K * self.bs:
+            # current: this step selects (or, dense, keeps) the whole context, as an eager step
+            # marks it in begin_decode_step; the graph marks nothing for current, so mark here
+            self.record.mark(to_device(rows_l, self.device), to_device([x + 1 for x in seq_l], self.device))
             self.record.mirror(rows_l, [x + 1 for x in seq_l])
         self._step = None                         # the graph runs the layers: no eager layer may use this step
         e = self._no_tensor
-        return DecodeStep(StepMode.REPLAY, e, e, e, 0, 0, rows_l, seq_l)
+        return DecodeStep(StepMode.REPLAY, e, e, e, 0, 0, rows_l, seq_l, dense=dense)
 
     def prepare_step_device(self) -> None:
         """The step's per-step device values: LRU clock + 1, ``seq - 1``, ``seq + 1`` (three
@@ -628,6 +668,10 @@ class OasisSparseKV:
         if st.seq_offset:
             st.seq = st.seq_lens + st.seq_offset     # recorded: a replay offsets the replayed lengths
         st.seq_m1, st.seq_p1, st.clock_next = st.seq - 1, st.seq + 1, self._clock + 1
+        if st.dense:
+            self._dense_plan(st)
+            if st.mode is StepMode.CAPTURE and self.predictor.asynchronous:
+                self.record.mark(st.rows, st.seq_p1)     # what layer 0's prefetch marks on the full path
 
     @property
     def clock(self) -> torch.Tensor:

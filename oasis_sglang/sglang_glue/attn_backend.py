@@ -55,10 +55,11 @@ class OasisAttnBackend(WrappedBackend):
 
     def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
         """SGLang's decode CUDA-graph runner (DECODE, or the paired TARGET_VERIFY with a draft),
-        outside the graph: before a capture (and its warm-up runs) a ``capture`` step; before a
-        replay the periodic log line (about the steps already queued) and a ``replay`` step
-        (host bookkeeping; a verify batch's decode row has one more token of context than
-        ``seq_lens``). The wrapped backend first."""
+        outside the graph: before a capture (and its warm-up runs) a ``capture`` step (of the
+        dense-path variant while ``runtime.capture_dense``); before a replay the periodic log
+        line (about the steps already queued) and a ``replay`` step (host bookkeeping; a verify
+        batch's decode row has one more token of context than ``seq_lens``), whose ``dense``
+        choice goes to ``runtime.replay_dense``. The wrapped backend first."""
         r = self.inner.init_forward_metadata_out_graph(forward_batch, in_capture=in_capture)
         mode = forward_batch.forward_mode
         if not (mode.is_decode() or mode.is_target_verify()):
@@ -72,9 +73,11 @@ class OasisAttnBackend(WrappedBackend):
             raise RuntimeError(f"OasisKV: replaying a decode CUDA graph without the batch's {B} rows on the host")
         extra = 1 if mode.is_target_verify() else 0
         self.log.maybe_log()           # about the steps before this one: their device work is queued
-        self.engine.begin_decode_step(forward_batch.req_pool_indices, forward_batch.seq_lens,
-                                      self.req_to_token_pool.req_to_token, mode=StepMode.REPLAY, rows_host=rows,
-                                      seq_lens_host=[x + extra for x in forward_batch.seq_lens_cpu[:B].tolist()])
+        self.runtime.replay_dense = False
+        st = self.engine.begin_decode_step(forward_batch.req_pool_indices, forward_batch.seq_lens,
+                                           self.req_to_token_pool.req_to_token, mode=StepMode.REPLAY, rows_host=rows,
+                                           seq_lens_host=[x + extra for x in forward_batch.seq_lens_cpu[:B].tolist()])
+        self.runtime.replay_dense = st.dense     # the runner then picks the dense-path graph (graph_hooks)
         return r
 
     def init_forward_metadata_in_graph(self, forward_batch):
@@ -98,7 +101,8 @@ class OasisAttnBackend(WrappedBackend):
         self.engine.begin_decode_step(forward_batch.req_pool_indices, forward_batch.seq_lens,
                                       self.req_to_token_pool.req_to_token, mode=mode,
                                       max_seq_len=None if mx is None else mx + extra,
-                                      rows_host=rows_h, seq_lens_host=seq_h, seq_offset=extra)
+                                      rows_host=rows_h, seq_lens_host=seq_h, seq_offset=extra,
+                                      dense=mode is StepMode.CAPTURE and self.runtime.capture_dense)
         self._step_rows = forward_batch.req_pool_indices
 
     def _check_step(self, forward_batch) -> None:

@@ -15,10 +15,16 @@ class OasisRuntime:
         engine: the model's ``core.OasisSparseKV``.
         batch_rows_host: request rows of the batch the scheduler runs now (host integers,
             batch order; ``scheduler_hooks.run_batch_hook``), or ``None``.
+        capture_dense: the decode CUDA-graph runner is capturing the dense-path variant of a
+            batch size (``graph_hooks.capture_one_shape_hook``).
+        replay_dense: the last replayed step's bookkeeping chose the dense-path graph
+            (``DecodeStep.dense``; read by ``graph_hooks.resolve_variant_hook``).
     """
 
     engine: object
     batch_rows_host: list[int] | None = None
+    capture_dense: bool = False
+    replay_dense: bool = False
 
 
 def runtime_of(req_to_token_pool) -> OasisRuntime | None:

@@ -213,3 +213,109 @@ def test_switching_the_predictor_clears_the_record(seed):
         for t in range(13, 16):
             _decode(eng, rt, 1, t, k, v, q)
         eng.ws.check()
+
+
+def _drive_graph(eng, reqs, steps, g, pad=2, eager_every=4):
+    """``_drive``'s schedule as SGLang's decode CUDA-graph runner runs it with both variants
+    captured: every step but each ``eager_every``-th is a replay. A replay's host bookkeeping
+    (``begin_decode_step`` in ``replay`` mode, real rows only) chooses the variant
+    (``DecodeStep.dense``); then the device work of that variant's graph runs as a capture step
+    records it (``prepare_step_device`` and every sparse layer over the batch padded with
+    request row 0 of context 1). Start-up first captures both variants (padding rows only)."""
+    rt = torch.zeros(4, 512, dtype=torch.int32)
+    for r in reqs:
+        rt[r] = torch.arange(512, dtype=torch.int32) + 256 * (r - 1)
+    rows = sorted(reqs)
+    n = dict(reqs)
+    B = len(rows)
+    pad_rows, pad_seq = torch.zeros(B + pad, dtype=torch.long), torch.ones(B + pad, dtype=torch.long)
+    for dense in (False, True):                        # SGLang captures the full graph, then the dense one
+        eng.begin_decode_step(pad_rows, pad_seq, rt, mode="capture", dense=dense)
+    data = {}
+    for r in rows:
+        for l in eng.sparse_layers:
+            k, v, q = (torch.randn(n[r] + steps, H if i < 2 else HQ, D, generator=g) for i in range(3))
+            data[r, l] = (k, v, q)
+            eng.write_kv(l, rt[r, :n[r]].long(), k[:n[r]], v[:n[r]])
+            eng.extend_attention(l, q[:n[r]], torch.tensor([r]), torch.tensor([0]), torch.tensor([n[r]]), rt, None,
+                                 k[:n[r]], v[:n[r]])
+    outs, dense = [], []
+    for t in range(steps):
+        seq = [n[r] + t + 1 for r in rows]
+        replay = t % eager_every != 0 and eng.can_replay(rows, seq)
+        if replay:
+            st = eng.begin_decode_step(torch.tensor(rows), torch.tensor(seq), rt, mode="replay", rows_host=rows,
+                                       seq_lens_host=seq)
+            assert eng.step is None
+            eng.begin_decode_step(torch.tensor(rows + [0] * pad), torch.tensor(seq + [1] * pad), rt, mode="capture",
+                                  dense=st.dense)
+            eng.prepare_step_device()
+        else:
+            st = eng.begin_decode_step(torch.tensor(rows), torch.tensor(seq), rt, rows_host=rows, seq_lens_host=seq)
+        dense.append((replay, st.dense))
+        step = []
+        P = pad if replay else 0
+        for l in eng.sparse_layers:
+            k = torch.stack([data[r, l][0][n[r] + t] for r in rows] + [torch.randn(H, D, generator=g)] * P)
+            v = torch.stack([data[r, l][1][n[r] + t] for r in rows] + [torch.randn(H, D, generator=g)] * P)
+            q = torch.stack([data[r, l][2][n[r] + t] for r in rows] + [torch.randn(HQ, D, generator=g)] * P)
+            loc = torch.stack([rt[r, n[r] + t] for r in rows] + [rt[0, 0]] * P).long()
+            eng.write_kv(l, loc, k, v, decode=True)
+            step.append(eng.decode_attention(l, q, k, v, None)[:B])
+        outs.append(step)
+        if eng.record.trusted:     # the device record (what the graphs mark) equals the host mirror
+            assert eng.record.seq[rows].tolist() == [eng.record.host.get(r, -1) for r in rows], t
+    eng.ws.check()
+    return outs, dense, data
+
+
+def _padded_engine(dense: bool, predictor: str, fetch_cap=2):
+    cfg = OasisConfig(budget_tokens=BUDGET, block_size=BS, dense_layers=(0,), fetch_cap=fetch_cap,
+                      predictor=predictor, transfer_budget=None, dense_short_contexts=dense)
+    return OasisSparseKV(cfg, 3, 1024, 4, H, D, D, torch.float32, "cpu", padding_row=0)
+
+
+@pytest.mark.parametrize("predictor", ["previous", "current"])
+def test_dense_graph_replays_equal_eager_steps(seed, predictor):
+    """Graph mode with the dense-path variant captured: a short request (fits for its first
+    steps) and a longer one that grows past the budget mid-run. Replays choose the dense graph
+    exactly when an eager step would be dense; outputs, slots, LRU-independent counters and the
+    dense-step count equal the eager engine's, and the padding rows count no hits."""
+    reqs, steps = {1: 40, 3: 9}, 30
+    eng_e, eng_g = _padded_engine(True, predictor), _padded_engine(True, predictor)
+    o_e, flags_e, _ = _drive(eng_e, reqs, steps, torch.Generator().manual_seed(seed))
+    o_g, flags_g, _ = _drive_graph(eng_g, reqs, steps, torch.Generator().manual_seed(seed))
+    assert [d for _, d in flags_g] == flags_e, "replays choose the dense graph when an eager step is dense"
+    assert any(r and d for r, d in flags_g), "some dense replays ran"
+    assert any(r and not d for r, d in flags_g), "and some full-path replays (the long request past the budget)"
+    for t in range(steps):
+        for a, b in zip(o_e[t], o_g[t]):
+            assert torch.equal(a, b), f"step {t}"
+    assert torch.equal(eng_e.ws.ids[:, [1, 3]], eng_g.ws.ids[:, [1, 3]])
+    assert torch.equal(eng_e.counters, eng_g.counters), "hits, admissions, evictions, write-backs (padding: none)"
+    ra, rb = eng_e.residency(), eng_g.residency()
+    assert ra["dense_steps"] == rb["dense_steps"] == sum(flags_e) > 0
+    assert rb["graph_steps"] == sum(r for r, _ in flags_g) and rb["sync_steps"] == ra["sync_steps"]
+
+
+def test_no_dense_replay_before_a_dense_capture_and_bad_dense_arguments(seed):
+    """A replay chooses the dense graph only once one was captured; ``dense=True`` outside a
+    capture, or a dense capture with the dense path off, is refused before any state changes."""
+    eng = _padded_engine(True, "previous")
+    rt = torch.zeros(4, 512, dtype=torch.int32)
+    rt[1] = torch.arange(512, dtype=torch.int32)
+    _prefill(eng, rt, 1, 0, 10, *({l: torch.randn(20, n, D) for l in (1, 2)} for n in (H, H, HQ)))
+    assert eng.can_replay([1], [11]) and eng.can_capture_dense()
+    st = eng.begin_decode_step(torch.tensor([1]), torch.tensor([11]), rt, mode="replay", rows_host=[1], seq_lens_host=[11])
+    assert not st.dense and eng.stats.dense_steps == 0, "no dense graph captured: the full graph replays"
+    for mode in ("eager", "replay"):
+        with pytest.raises(ValueError, match="dense"):
+            eng.begin_decode_step(torch.tensor([1]), torch.tensor([12]), rt, mode=mode, rows_host=[1],
+                                  seq_lens_host=[12], dense=True)
+    with pytest.raises(ValueError, match="dense"):
+        eng.begin_decode_step(torch.tensor([1]), torch.tensor([12]), rt, mode="capture", dense=1)
+    off = _padded_engine(False, "previous")
+    assert not off.can_capture_dense()
+    with pytest.raises(ValueError, match="dense_short_contexts"):
+        off.begin_decode_step(torch.tensor([0]), torch.tensor([1]), rt, mode="capture", dense=True)
+    assert eng.stats.decode_steps == 1 and off.stats.decode_steps == 0

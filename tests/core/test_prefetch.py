@@ -629,3 +629,80 @@ def test_read_prefix_equals_the_token_gather(seed, n):
     k, v = eng.read_prefix(li, run.rt[2], n, "cpu")
     kt, vt = eng.host.read_tokens(li, run.rt[2, :n])
     assert k.shape == (n, H, D) and torch.equal(k, kt) and torch.equal(v, vt)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graph_dense_variant_replays_equal_eager(seed):
+    """The dense path for short contexts captured as a second real CUDA graph beside the full
+    path's (as ``sglang_glue.graph_hooks`` has SGLang capture it): each step's replay
+    bookkeeping picks the variant, the dense graph while every context fits, the full one after.
+    Working sets equal the eager engine's (dense path on) and outputs stay within the attention
+    tolerance; both variants ran and the dense steps were counted."""
+    from oasis_sglang.kernels import get_kv_ops
+
+    state = torch.random.get_rng_state()
+    res = {}
+    for mode in ("eager", "graph"):
+        torch.random.set_rng_state(state)
+        eng = _engine(64, "previous", fetch_cap=2, rows=8, device="cuda", padding_row=0, ops=get_kv_ops("triton"))
+        run = Run(eng, [3, 5, 7], 52, 80, "cuda")      # fits the 64-token working set until token 62
+        run.prefill()
+        outs, dense = [], []
+        if mode == "eager":
+            for _ in range(16):
+                outs.append(run.step(host=True))
+                dense.append(eng.stats.dense_steps)
+        else:
+            B, L = 4, eng.sparse_layers                   # 3 requests + the padding row
+            rows = torch.tensor([0, 0, 0, 0], device="cuda")
+            seq = torch.ones(B, dtype=torch.long, device="cuda")
+            loc = torch.zeros(B, dtype=torch.long, device="cuda")
+            q = {l: torch.zeros(B, HQ, D, device="cuda") for l in L}
+            kv = {l: (torch.zeros(B, H, D, device="cuda"), torch.zeros(B, H, D, device="cuda")) for l in L}
+            out = {}
+
+            def step():
+                eng.prepare_step_device()
+                for l in L:
+                    eng.write_kv(l, loc, kv[l][0], kv[l][1], decode=True)
+                    out[l] = eng.decode_attention(l, q[l], kv[l][0], kv[l][1], None)
+
+            graphs = {}
+            for variant in (False, True):                # SGLang's capture, then the dense variant
+                eng.begin_decode_step(rows, seq, run.rt, mode="capture", dense=variant)
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):            # warm-up on the padding row only
+                    step()
+                    eng.pipe.join()
+                torch.cuda.current_stream().wait_stream(side)
+                torch.cuda.synchronize()
+                graphs[variant] = g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    step()
+            rows[:3] = torch.tensor([3, 5, 7])
+            for _ in range(16):
+                t = run.t
+                assert eng.can_replay([3, 5, 7], [t + 1] * 3)
+                seq[:3] = t + 1
+                loc[:3] = run.loc(t)
+                for l in L:
+                    q[l][:3] = run.Q[l][:, t].cuda()
+                    kv[l][0][:3], kv[l][1][:3] = run.K[l][:, t].cuda(), run.V[l][:, t].cuda()
+                st = eng.begin_decode_step(rows, seq, run.rt, mode="replay", rows_host=[3, 5, 7],
+                                           seq_lens_host=[t + 1] * 3)
+                graphs[st.dense].replay()
+                outs.append({l: o[:3].clone() for l, o in out.items()})
+                dense.append(eng.stats.dense_steps)
+                run.t += 1
+        torch.cuda.synchronize()
+        res[mode] = (eng, outs, dense)
+    (a, oa, da), (b, ob, db) = res["eager"], res["graph"]
+    assert da == db and 0 < db[-1] < 16, "the same steps dense; both variants replayed"
+    assert torch.equal(a.ws.ids[:, [3, 5, 7]], b.ws.ids[:, [3, 5, 7]])
+    for x, y in zip(oa, ob):
+        for l in x:
+            torch.testing.assert_close(x[l], y[l], rtol=1e-4, atol=1e-4)
+    rb = b.residency()
+    assert rb["graph_steps"] == 16 and rb["dense_steps"] == db[-1] and rb["sync_steps"] == 0
+    assert torch.equal(a.counters[:, 0], b.counters[:, 0]), "hits: the padding row counts none"
