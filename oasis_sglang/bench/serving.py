@@ -255,13 +255,15 @@ def oasis_figures(lines: list[str], step_ms: float | None, max_running: int | No
         ``h2d_steps`` (decode steps the figures cover), ``admitted_per_head_step`` (admitted
         pieces per request, sparse layer and KV head per step, when ``kv_heads`` and the running
         count are known: at most ``fetch_cap`` plus forced sink / recent blocks), ``hit_rate``,
-        ``graph_steps``, ``host_tier_gb``; ``{}`` without lines.
+        ``graph_steps``, ``decode_steps``, ``dense_steps`` (cumulative, the last line's),
+        ``host_tier_gb``; ``{}`` without lines.
     """
     vals = [parse_decode_counters(ln) for ln in lines]
     if not vals:
         return {}
     last = vals[-1]
-    res = {"hit_rate": last["hit_rate"], "graph_steps": last["graph_steps"], "host_tier_gb": (last["host_tier_mib"] or 0) * 2**20 / 1e9}
+    res = {"hit_rate": last["hit_rate"], "graph_steps": last["graph_steps"], "decode_steps": last["decode_steps"],
+           "dense_steps": last.get("dense_steps"), "host_tier_gb": (last["host_tier_mib"] or 0) * 2**20 / 1e9}
     keys = ("decode_steps", "h2d_mib", "admitted_blocks")
     ok = [v for v in vals if all(v[k] is not None for k in keys)]
     pairs = [(a, b) for a, b in zip(ok, ok[1:]) if max_running and a["running"] == b["running"] == max_running

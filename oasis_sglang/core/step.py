@@ -54,7 +54,9 @@ class DecodeStep:
             captured paired verify step: 1; eager steps add it at once and keep 0).
         seq_lens: the lengths as the caller passed them (``seq`` before ``seq_offset``).
         dense: the dense path for short contexts (``OasisConfig.dense_short_contexts``): every
-            row's working set holds its whole context, so no sparse layer selects or copies.
+            row's working set holds its whole context, so no sparse layer selects or copies. A
+            ``capture`` step records the dense-path graph; a ``replay`` step says the caller
+            must replay that graph (``sglang_glue/graph_hooks.py``).
     """
 
     mode: StepMode

@@ -47,13 +47,14 @@ def test_oasis_figures_from_real_log_lines(bench):
         r = {"context_tokens": [100] * 4, "device_working_set_tokens": [64] * 4, "budget_tokens": 2048,
              "sparse_layers": 34, "hit_blocks": 900, "admitted_blocks": h2d_blocks, "evicted_blocks": 0, "bytes_h2d": h2d_blocks * 4096,
              "working_set_bytes": 0, "summary_bytes": 0, "host_tier_bytes": 2**30, "predictor": "previous",
-             "sync_steps": 0, "exposed_wait_ms": [0.0], "agreement": None, "decode_steps": steps, "graph_steps": steps}
+             "sync_steps": 0, "exposed_wait_ms": [0.0], "agreement": None, "decode_steps": steps, "graph_steps": steps,
+             "dense_steps": steps // 2}
         return "[t] OasisKV decode: " + format_residency(r)
 
     f = bench.oasis_figures([line(10, 1000), line(60, 51000)], step_ms=20.0)
     assert f["h2d_mb_per_step"] == pytest.approx(50000 * 4096 / 1e6 / 50, rel=1e-3)   # the line rounds MiB
     assert f["h2d_gb_s"] == pytest.approx(f["h2d_mb_per_step"] / 20.0)
-    assert f["graph_steps"] == 60 and f["host_tier_gb"] == pytest.approx(2**30 / 1e9)
+    assert f["graph_steps"] == 60 and f["decode_steps"] == 60 and f["dense_steps"] == 30 and f["host_tier_gb"] == pytest.approx(2**30 / 1e9)
     assert f["h2d_basis"] == "all steps" and "admitted_per_head_step" not in f, "no most-running count given"
     assert bench.oasis_figures([], 1.0) == {}
 
