@@ -174,7 +174,9 @@ class OasisSparseKV:
 
     def set_policy(self, fetch_cap: int | None | str = "keep", predictor: str | None = None) -> None:
         """Benchmarks: another ``fetch_cap`` and / or predictor over the same state (no
-        reallocation). ``fetch_cap="keep"`` leaves it as it is.
+        reallocation). ``fetch_cap="keep"`` leaves it as it is. A captured CUDA graph keeps the
+        predictor it was recorded with: after a predictor change capture again (replays choose
+        no dense-path graph until one is captured again).
 
         Raises:
             OasisConfigError: a bad ``fetch_cap`` (the config's validation), an unknown predictor,
@@ -195,6 +197,7 @@ class OasisSparseKV:
             # what the record holds means something else per predictor (a prefetched context, or
             # for current a context selected whole): the next step of each row selects afresh
             self.record.clear()
+            self._dense_graphs = False            # recorded with the old predictor's marks and hits
         self.predictor = pred
 
     def measure_link(self, pieces: int = 4096, repeats: int = 5) -> float | None:
@@ -642,7 +645,7 @@ class OasisSparseKV:
         s.dense_steps += int(dense)
         if self.predictor.asynchronous:
             self.record.mirror(rows_l, [x + 1 for x in seq_l])
-        elif rows_l and self.cfg.dense_short_contexts and self.record.trusted and max_seq + 1 <= self.ws.K * self.bs:
+        elif self._dense_graphs and rows_l and self.record.trusted and max_seq + 1 <= self.ws.K * self.bs:
             # current: this step selects (or, dense, keeps) the whole context, as an eager step
             # marks it in begin_decode_step; the graph marks nothing for current, so mark here
             self.record.mark(to_device(rows_l, self.device), to_device([x + 1 for x in seq_l], self.device))

@@ -50,6 +50,7 @@ class OasisAttnBackend(WrappedBackend):
         r = self.inner.init_forward_metadata(forward_batch)
         mode = forward_batch.forward_mode
         if mode.is_decode() or mode.is_target_verify():
+            self.runtime.replay_dense = False
             self._begin(forward_batch, StepMode.EAGER)
         return r
 
@@ -65,6 +66,7 @@ class OasisAttnBackend(WrappedBackend):
         if not (mode.is_decode() or mode.is_target_verify()):
             return r
         if in_capture:
+            self.runtime.replay_dense = False
             self._begin(forward_batch, StepMode.CAPTURE)
             return r
         B = forward_batch.batch_size - (getattr(forward_batch, "num_padding", 0) or 0)

@@ -16,8 +16,9 @@ attention backend's ``init_forward_metadata_out_graph``). OasisKV uses the same 
 
 Only the target model's runner with ``--kv-sparse oasis`` and ``dense_short_contexts`` takes
 part (``OasisSparseKV.can_capture_dense``); the draft model's runners are left alone. The
-second capture of every batch size costs start-up time and graph memory (both measured in
-docs/benchmarks.md).
+second capture of every batch size costs start-up time and graph memory (not measured yet: no
+GPU was lent when this was written). The choice is engine-wide: a target-model runner that
+overrode ``capture_one_shape`` without SGLang's (none in 0.5.17) would find no dense graph.
 """
 
 from __future__ import annotations

@@ -319,3 +319,22 @@ def test_no_dense_replay_before_a_dense_capture_and_bad_dense_arguments(seed):
     with pytest.raises(ValueError, match="dense_short_contexts"):
         off.begin_decode_step(torch.tensor([0]), torch.tensor([1]), rt, mode="capture", dense=True)
     assert eng.stats.decode_steps == 1 and off.stats.decode_steps == 0
+
+
+def test_switching_the_predictor_drops_the_dense_graphs(seed):
+    """A captured graph keeps the predictor it was recorded with (its record marks and hit
+    counts): after ``set_policy(predictor=...)`` no replay picks the dense graph (nor, for
+    current, marks the record) until one is captured again."""
+    eng = _padded_engine(True, "previous")
+    rt = torch.zeros(4, 512, dtype=torch.int32)
+    rt[1] = torch.arange(512, dtype=torch.int32)
+    _prefill(eng, rt, 1, 0, 10, *({l: torch.randn(20, n, D) for l in (1, 2)} for n in (H, H, HQ)))
+    eng.begin_decode_step(torch.tensor([0]), torch.tensor([1]), rt, mode="capture", dense=True)
+    st = eng.begin_decode_step(torch.tensor([1]), torch.tensor([11]), rt, mode="replay", rows_host=[1], seq_lens_host=[11])
+    assert st.dense
+    eng.set_policy(predictor="current")
+    st = eng.begin_decode_step(torch.tensor([1]), torch.tensor([12]), rt, mode="replay", rows_host=[1], seq_lens_host=[12])
+    assert not st.dense and eng.record.host == {} and int(eng.record.seq[1]) == -1, "nothing marked by a stale graph"
+    eng.begin_decode_step(torch.tensor([0]), torch.tensor([1]), rt, mode="capture", dense=True)
+    eng.begin_decode_step(torch.tensor([1]), torch.tensor([13]), rt, mode="replay", rows_host=[1], seq_lens_host=[13])
+    assert eng.record.host == {1: 14} and int(eng.record.seq[1]) == 14, "recaptured: current marks again"
