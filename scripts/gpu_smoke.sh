@@ -17,11 +17,36 @@
 #             carry out/bench_oasis too and pass --resume; --deadline 540 keeps a call inside 600 s)
 #   stage 5: carry .gpuhost/kit .gpuhost/model .gpuhost/nixl (after stages 1-2 or 4; about 59 MiB of the 64) -> bash scripts/gpu_smoke.sh 5 [pd_gpu args]
 #            (scripts/pd_gpu.py: PD prefill + decode servers with --kv-sparse oasis on the one GPU -> $OUT/pd_gpu/)
+# Any stage: carry .gpuhost/triton-cache.tgz too when you have one (see below; it returns as $OUT/triton-cache.tgz).
 # Stage 3 installs this package into /tmp/site, applies the patches there, prepares SmolLM2 and
 # runs the end-to-end tests (dense and oasis both on torch_native, so (a) is an exact comparison).
+# Triton's compile cache: a cold host compiles every Triton kernel again at each server's CUDA-graph
+# capture (93 s of a 203 s start at 1K on 2026-12-05). Every stage restores .gpuhost/triton-cache.tgz
+# (or out/triton-cache.tgz) when carried, and returns the cache as $OUT/triton-cache.tgz (under the
+# tool's 16 MiB per file) for the next call or session: copy it to .gpuhost/triton-cache.tgz and
+# carry it. Triton keys its cache by source, options, GPU and its own version: a stale entry is
+# recompiled, never reused.
 set -euo pipefail
 stage=$1; shift
 mkdir -p /tmp/ch
+export TRITON_CACHE_DIR=/tmp/triton-cache
+mkdir -p "$TRITON_CACHE_DIR"
+for f in .gpuhost/triton-cache.tgz out/triton-cache.tgz; do
+  if [ -f "$f" ]; then tar xzf "$f" -C "$TRITON_CACHE_DIR" 2>/dev/null || echo "gpu_smoke: could not unpack $f"; fi
+done
+triton_cache_out() {
+  local rc=$?
+  if [ -n "${OUT:-}" ] && [ -n "$(ls -A "$TRITON_CACHE_DIR" 2>/dev/null)" ]; then
+    if tar czf /tmp/triton-cache.tgz -C "$TRITON_CACHE_DIR" . 2>/dev/null \
+        && [ "$(stat -c %s /tmp/triton-cache.tgz)" -lt 16000000 ]; then
+      cp /tmp/triton-cache.tgz "$OUT"/triton-cache.tgz || true
+    else
+      echo "gpu_smoke: the Triton cache was not returned (over 16 MB or not archivable)"
+    fi
+  fi
+  return $rc
+}
+trap triton_cache_out EXIT
 case $stage in
   1)
     bash .gpuhost/kit/install.sh .gpuhost/whl1; cp .gpuhost/c1/part /tmp/ch/p1
