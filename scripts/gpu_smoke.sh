@@ -29,7 +29,7 @@
 set -euo pipefail
 stage=$1; shift
 mkdir -p /tmp/ch
-export TRITON_CACHE_DIR=/tmp/triton-cache
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
 mkdir -p "$TRITON_CACHE_DIR"
 for f in .gpuhost/triton-cache.tgz out/triton-cache.tgz; do
   if [ -f "$f" ]; then tar xzf "$f" -C "$TRITON_CACHE_DIR" 2>/dev/null || echo "gpu_smoke: could not unpack $f"; fi
@@ -123,5 +123,8 @@ case $stage in
     rm -rf build
     python3 -m oasis_sglang.cli patch apply --sglang-root /tmp/site
     python3 scripts/pd_gpu.py --model "$M" --out ${OUT:-/tmp}/pd_gpu "$@"
+    ;;
+  *)
+    echo "gpu_smoke: stage ${stage}: want 1, 2, 3, 4 or 5 (see the header)"; exit 2
     ;;
 esac
