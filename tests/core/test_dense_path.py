@@ -20,16 +20,14 @@ def _engine(dense: bool, predictor: str, fetch_cap=2):
     return OasisSparseKV(cfg, 3, 1024, 4, H, D, D, torch.float32, "cpu")
 
 
-def _drive(eng, reqs, steps, g):
-    """Prefill ``reqs`` ({row: prompt tokens}) in both sparse layers, then decode ``steps``
-    steps of the whole batch with host rows and lengths (as SGLang's glue passes them).
-    Returns every step's attention outputs per sparse layer and the step's dense flag."""
+def _prefill_reqs(eng, reqs, steps, g):
+    """Prefill ``reqs`` ({row: prompt tokens}) in every sparse layer with random K/V/Q drawn from
+    ``g`` for their prompts and ``steps`` decode steps. Returns the request table, the sorted
+    rows, the prompt lengths and ``{(row, layer): (k, v, q)}``."""
     rt = torch.zeros(4, 512, dtype=torch.int32)
     for r in reqs:
         rt[r] = torch.arange(512, dtype=torch.int32) + 256 * (r - 1)
-    rows = sorted(reqs)
-    n = dict(reqs)
-    data = {}
+    rows, n, data = sorted(reqs), dict(reqs), {}
     for r in rows:
         for l in eng.sparse_layers:
             k, v, q = (torch.randn(n[r] + steps, H if i < 2 else HQ, D, generator=g) for i in range(3))
@@ -37,6 +35,14 @@ def _drive(eng, reqs, steps, g):
             eng.write_kv(l, rt[r, :n[r]].long(), k[:n[r]], v[:n[r]])
             eng.extend_attention(l, q[:n[r]], torch.tensor([r]), torch.tensor([0]), torch.tensor([n[r]]), rt, None,
                                  k[:n[r]], v[:n[r]])
+    return rt, rows, n, data
+
+
+def _drive(eng, reqs, steps, g):
+    """Prefill ``reqs`` ({row: prompt tokens}) in both sparse layers, then decode ``steps``
+    steps of the whole batch with host rows and lengths (as SGLang's glue passes them).
+    Returns every step's attention outputs per sparse layer and the step's dense flag."""
+    rt, rows, n, data = _prefill_reqs(eng, reqs, steps, g)
     outs, dense = [], []
     for t in range(steps):
         seq = [n[r] + t + 1 for r in rows]
@@ -222,23 +228,11 @@ def _drive_graph(eng, reqs, steps, g, pad=2, eager_every=4):
     (``DecodeStep.dense``); then the device work of that variant's graph runs as a capture step
     records it (``prepare_step_device`` and every sparse layer over the batch padded with
     request row 0 of context 1). Start-up first captures both variants (padding rows only)."""
-    rt = torch.zeros(4, 512, dtype=torch.int32)
-    for r in reqs:
-        rt[r] = torch.arange(512, dtype=torch.int32) + 256 * (r - 1)
-    rows = sorted(reqs)
-    n = dict(reqs)
-    B = len(rows)
+    B = len(reqs)
     pad_rows, pad_seq = torch.zeros(B + pad, dtype=torch.long), torch.ones(B + pad, dtype=torch.long)
     for dense in (False, True):                        # SGLang captures the full graph, then the dense one
-        eng.begin_decode_step(pad_rows, pad_seq, rt, mode="capture", dense=dense)
-    data = {}
-    for r in rows:
-        for l in eng.sparse_layers:
-            k, v, q = (torch.randn(n[r] + steps, H if i < 2 else HQ, D, generator=g) for i in range(3))
-            data[r, l] = (k, v, q)
-            eng.write_kv(l, rt[r, :n[r]].long(), k[:n[r]], v[:n[r]])
-            eng.extend_attention(l, q[:n[r]], torch.tensor([r]), torch.tensor([0]), torch.tensor([n[r]]), rt, None,
-                                 k[:n[r]], v[:n[r]])
+        eng.begin_decode_step(pad_rows, pad_seq, torch.zeros(4, 512, dtype=torch.int32), mode="capture", dense=dense)
+    rt, rows, n, data = _prefill_reqs(eng, reqs, steps, g)
     outs, dense = [], []
     for t in range(steps):
         seq = [n[r] + t + 1 for r in rows]

@@ -532,6 +532,60 @@ def test_a_pd_decode_step_replays_only_when_no_layer_reads_from_the_peer(seed, p
     assert eng.can_replay([1, 2], [21, 21]), "detached: as colocated again"
 
 
+class GraphStep:
+    """A decode step of ``Run``'s 3 requests (+ the padding row 0) captured in a real CUDA graph:
+    its static input buffers, the step the graph records (``prepare_step_device``, then every
+    sparse layer, with a draft row each when ``draft``), the capture and the loading of step ``t``."""
+
+    def __init__(self, eng, draft=False, B=4):
+        self.eng, self.draft, self.L = eng, draft, eng.sparse_layers
+        self.rows = torch.zeros(B, dtype=torch.long, device="cuda")
+        self.seq = torch.ones(B, dtype=torch.long, device="cuda")
+        self.loc = torch.zeros(B, dtype=torch.long, device="cuda")
+        self.q = {l: torch.zeros(B, HQ, D, device="cuda") for l in self.L}
+        self.qd = {l: torch.zeros(B, HQ, D, device="cuda") for l in self.L}
+        self.kd = {l: torch.zeros(B, H, D, device="cuda") for l in self.L}
+        self.kv = {l: (torch.zeros(B, H, D, device="cuda"), torch.zeros(B, H, D, device="cuda")) for l in self.L}
+        self.out = {}
+
+    def step(self):
+        e = self.eng
+        e.prepare_step_device()
+        for l in self.L:
+            e.write_kv(l, self.loc, self.kv[l][0], self.kv[l][1], decode=True)
+            kw = dict(q_draft=self.qd[l], k_draft=self.kd[l], v_draft=self.kd[l]) if self.draft else {}
+            self.out[l] = e.decode_attention(l, self.q[l], self.kv[l][0], self.kv[l][1], None, **kw)
+
+    def capture(self, rt, dense=False):
+        """A capture step (the dense path's with ``dense``), a warm-up on the padding row only on
+        a side stream, then the graph."""
+        e = self.eng
+        self.rows.zero_(), self.seq.fill_(1), self.loc.zero_()
+        e.begin_decode_step(self.rows, self.seq, rt, mode="capture", dense=dense)
+        e.pipe.join()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self.step()
+            e.pipe.join()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            self.step()
+        return g
+
+    def load(self, run, t):
+        self.rows[:3] = run.rows.cuda()
+        self.seq[:3] = t + 1
+        self.loc[:3] = run.loc(t)
+        for l in self.L:
+            self.q[l][:3] = run.Q[l][:, t].cuda()
+            self.qd[l][:3] = run.Qd[l][:, t].cuda()
+            self.kv[l][0][:3], self.kv[l][1][:3] = run.K[l][:, t].cuda(), run.V[l][:, t].cuda()
+            self.kd[l][:3] = torch.randn(3, H, D)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("predictor", ["previous", "lookahead"])
 def test_cuda_graph_replay_equals_eager(seed, predictor):
@@ -553,57 +607,16 @@ def test_cuda_graph_replay_equals_eager(seed, predictor):
         if mode == "eager":
             outs += [run.step(draft=draft, host=True) for _ in range(12)]
         else:
-            B = 4                                          # 3 requests + the padding row
-            rows = torch.tensor([3, 5, 7, 0], device="cuda")
-            seq = torch.ones(B, dtype=torch.long, device="cuda")
-            loc = torch.zeros(B, dtype=torch.long, device="cuda")
-            L = eng.sparse_layers
-            q = {l: torch.zeros(B, HQ, D, device="cuda") for l in L}
-            qd = {l: torch.zeros(B, HQ, D, device="cuda") for l in L}
-            kd = {l: torch.zeros(B, H, D, device="cuda") for l in L}
-            kv = {l: (torch.zeros(B, H, D, device="cuda"), torch.zeros(B, H, D, device="cuda")) for l in L}
-            out = {}
-
-            def step():
-                eng.prepare_step_device()
-                for l in L:
-                    eng.write_kv(l, loc, kv[l][0], kv[l][1], decode=True)
-                    kw = dict(q_draft=qd[l], k_draft=kd[l], v_draft=kd[l]) if draft else {}
-                    out[l] = eng.decode_attention(l, q[l], kv[l][0], kv[l][1], None, **kw)
-
-            def load(t):
-                seq[:3] = t + 1
-                loc[:3] = run.loc(t)
-                for l in L:
-                    q[l][:3] = run.Q[l][:, t].cuda()
-                    qd[l][:3] = run.Qd[l][:, t].cuda()
-                    kv[l][0][:3], kv[l][1][:3] = run.K[l][:, t].cuda(), run.V[l][:, t].cuda()
-                    kd[l][:3] = torch.randn(3, H, D)
-
-            eng.begin_decode_step(rows, seq, run.rt, mode="capture")
-            g = torch.cuda.CUDAGraph()
-            eng.pipe.join()
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):               # warm-up on the padding row only
-                seq[:3], loc[:3] = 1, 0
-                rows[:3] = 0
-                step()
-                eng.pipe.join()
-            torch.cuda.current_stream().wait_stream(side)
-            torch.cuda.synchronize()
-            with torch.cuda.graph(g):
-                step()
-            rows[:3] = torch.tensor([3, 5, 7])
+            gs = GraphStep(eng, draft)
+            g = gs.capture(run.rt)
             for _ in range(12):
                 t = run.t
                 assert eng.can_replay([3, 5, 7], [t + 1] * 3)
-                load(t)
-                eng.begin_decode_step(rows, seq, run.rt, mode="replay", rows_host=[3, 5, 7],
+                gs.load(run, t)
+                eng.begin_decode_step(gs.rows, gs.seq, run.rt, mode="replay", rows_host=[3, 5, 7],
                                       seq_lens_host=[t + 1] * 3)
                 g.replay()
-                outs.append({l: (o[:3] if not draft else (o[:3], None)) for l, o in out.items()})
-                outs[-1] = {l: v.clone() if not draft else (v[0].clone(), None) for l, v in outs[-1].items()}
+                outs.append({l: (o[:3].clone() if not draft else (o[:3].clone(), None)) for l, o in gs.out.items()})
                 run.t += 1
         torch.cuda.synchronize()
         res[mode] = (eng, outs)
@@ -653,46 +666,16 @@ def test_cuda_graph_dense_variant_replays_equal_eager(seed):
                 outs.append(run.step(host=True))
                 dense.append(eng.stats.dense_steps)
         else:
-            B, L = 4, eng.sparse_layers                   # 3 requests + the padding row
-            rows = torch.tensor([0, 0, 0, 0], device="cuda")
-            seq = torch.ones(B, dtype=torch.long, device="cuda")
-            loc = torch.zeros(B, dtype=torch.long, device="cuda")
-            q = {l: torch.zeros(B, HQ, D, device="cuda") for l in L}
-            kv = {l: (torch.zeros(B, H, D, device="cuda"), torch.zeros(B, H, D, device="cuda")) for l in L}
-            out = {}
-
-            def step():
-                eng.prepare_step_device()
-                for l in L:
-                    eng.write_kv(l, loc, kv[l][0], kv[l][1], decode=True)
-                    out[l] = eng.decode_attention(l, q[l], kv[l][0], kv[l][1], None)
-
-            graphs = {}
-            for variant in (False, True):                # SGLang's capture, then the dense variant
-                eng.begin_decode_step(rows, seq, run.rt, mode="capture", dense=variant)
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):            # warm-up on the padding row only
-                    step()
-                    eng.pipe.join()
-                torch.cuda.current_stream().wait_stream(side)
-                torch.cuda.synchronize()
-                graphs[variant] = g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g):
-                    step()
-            rows[:3] = torch.tensor([3, 5, 7])
+            gs = GraphStep(eng)
+            graphs = {v: gs.capture(run.rt, dense=v) for v in (False, True)}   # SGLang's, then the dense one
             for _ in range(16):
                 t = run.t
                 assert eng.can_replay([3, 5, 7], [t + 1] * 3)
-                seq[:3] = t + 1
-                loc[:3] = run.loc(t)
-                for l in L:
-                    q[l][:3] = run.Q[l][:, t].cuda()
-                    kv[l][0][:3], kv[l][1][:3] = run.K[l][:, t].cuda(), run.V[l][:, t].cuda()
-                st = eng.begin_decode_step(rows, seq, run.rt, mode="replay", rows_host=[3, 5, 7],
+                gs.load(run, t)
+                st = eng.begin_decode_step(gs.rows, gs.seq, run.rt, mode="replay", rows_host=[3, 5, 7],
                                            seq_lens_host=[t + 1] * 3)
                 graphs[st.dense].replay()
-                outs.append({l: o[:3].clone() for l, o in out.items()})
+                outs.append({l: o[:3].clone() for l, o in gs.out.items()})
                 dense.append(eng.stats.dense_steps)
                 run.t += 1
         torch.cuda.synchronize()

@@ -46,6 +46,28 @@ class HostReads(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def backend_over(eng, rtp, rows, lens, width):
+    """An OasisAttnBackend over ``eng`` (wrapping SGLang's TorchNativeAttnBackend; its
+    ``OasisRuntime`` attached to ``rtp``), with request ``rows[i]`` prefilled with ``lens[i]``
+    random tokens through every sparse layer (its own pages, page 0 left free). Returns the
+    backend, the runtime and the stand-in model runner."""
+    rt = OasisRuntime(eng)
+    rtp._oasis = rt
+    mr = SimpleNamespace(device="cpu", req_to_token_pool=rtp, token_to_kv_pool=None, is_draft_worker=False,
+                         model_config=SimpleNamespace(attention_arch=AttentionArch.MHA))
+    be = OasisAttnBackend(TorchNativeAttnBackend(mr), rt, None, rtp, DecodeLog(eng, 10**6))
+    for row in rows:
+        rtp.req_to_token[row] = torch.arange(width, dtype=torch.int32) + width * (row - 1) + BS
+    for l in eng.sparse_layers:
+        for row, n in zip(rows, lens):
+            k, v = torch.randn(n, H, D), torch.randn(n, H, D)
+            eng.write_kv(l, rtp.req_to_token[row, :n].long(), k, v)
+            eng.extend_attention(l, torch.randn(n, HQ, D), torch.tensor([row]), torch.zeros(1, dtype=torch.long),
+                                 torch.tensor([n]), rtp.req_to_token, None, k, v)
+    rt.batch_rows_host = list(rows)
+    return be, rt, mr
+
+
 def _backend(seed: int = 0):
     """An OasisAttnBackend over a CPU engine (predictor lookahead, Triton kernels), prefilled with
     the same random context for every call with the same seed: rows 1 and 2 hold 21 and 30 tokens."""
@@ -56,22 +78,9 @@ def _backend(seed: int = 0):
                       transfer_budget=2 * 2 * 2 * BS * D * 4)
     eng = OasisSparseKV(cfg, LAYERS, 4 * WIDTH + BS, rtp.req_to_token.shape[0], H, D, D, torch.float32, "cpu",
                         ops=get_kv_ops("triton"), predictor="lookahead", padding_row=0)
-    rt = OasisRuntime(eng)
-    rtp._oasis = rt
-    mr = SimpleNamespace(device="cpu", req_to_token_pool=rtp, token_to_kv_pool=None, is_draft_worker=False,
-                         model_config=SimpleNamespace(attention_arch=AttentionArch.MHA))
-    be = OasisAttnBackend(TorchNativeAttnBackend(mr), rt, None, rtp, DecodeLog(eng, 10**6))
     lens = [21, 30]
-    for row in ROWS:
-        rtp.req_to_token[row] = torch.arange(WIDTH, dtype=torch.int32) + WIDTH * (row - 1) + BS
+    be, rt, _ = backend_over(eng, rtp, ROWS, lens, WIDTH)
     r = torch.tensor(ROWS)
-    for l in eng.sparse_layers:
-        for row, n in zip(ROWS, lens):
-            k, v = torch.randn(n, H, D), torch.randn(n, H, D)
-            eng.write_kv(l, rtp.req_to_token[row, :n].long(), k, v)
-            eng.extend_attention(l, torch.randn(n, HQ, D), torch.tensor([row]), torch.zeros(1, dtype=torch.long),
-                                 torch.tensor([n]), rtp.req_to_token, None, k, v)
-    rt.batch_rows_host = list(ROWS)
     return be, eng, rtp, r, lens
 
 

@@ -8,12 +8,8 @@ around the model (``init_forward_metadata_out_graph(in_capture=True)``, then
 ``OasisAttnBackend`` over SGLang's ``TorchNativeAttnBackend``, ``ReqToTokenPool`` and
 ``ForwardBatch``; the real engine."""
 
-from types import SimpleNamespace
-
 import pytest
 import torch
-from sglang.srt.configs.model_config import AttentionArch
-from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from sglang.srt.layers.radix_attention import RadixAttention
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
@@ -21,12 +17,9 @@ from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMo
 from oasis_sglang.config import OasisConfig
 from oasis_sglang.core import OasisSparseKV, StepMode
 from oasis_sglang.kernels import get_kv_ops
-from oasis_sglang.sglang_glue.attn_backend import OasisAttnBackend
 from oasis_sglang.sglang_glue.graph_hooks import capture_one_shape_hook, dense_label, resolve_variant_hook
-from oasis_sglang.sglang_glue.log_line import DecodeLog
-from oasis_sglang.sglang_glue.runtime import OasisRuntime
 
-from test_attn_backend_paired import HostReads  # noqa: E402 (this folder is on sys.path: pytest rootdir-less import)
+from test_attn_backend_paired import HostReads, backend_over  # noqa: E402 (this folder is on sys.path: pytest rootdir-less import)
 
 BS, H, HQ, D, LAYERS, WIDTH = 4, 2, 6, 16, 3, 128
 ROWS = [1, 2]
@@ -42,20 +35,7 @@ def _backend(dense=True, predictor="previous", lens=(21, 30)):
                       dense_short_contexts=dense, kernels="triton")
     eng = OasisSparseKV(cfg, LAYERS, 4 * WIDTH + BS, rtp.req_to_token.shape[0], H, D, D, torch.float32, "cpu",
                         ops=get_kv_ops("triton"), predictor=predictor, padding_row=0)
-    rt = OasisRuntime(eng)
-    rtp._oasis = rt
-    mr = SimpleNamespace(device="cpu", req_to_token_pool=rtp, token_to_kv_pool=None, is_draft_worker=False,
-                         model_config=SimpleNamespace(attention_arch=AttentionArch.MHA))
-    be = OasisAttnBackend(TorchNativeAttnBackend(mr), rt, None, rtp, DecodeLog(eng, 10**6))
-    for row in ROWS:
-        rtp.req_to_token[row] = torch.arange(WIDTH, dtype=torch.int32) + WIDTH * (row - 1) + BS
-    for l in eng.sparse_layers:
-        for row, n in zip(ROWS, lens):
-            k, v = torch.randn(n, H, D), torch.randn(n, H, D)
-            eng.write_kv(l, rtp.req_to_token[row, :n].long(), k, v)
-            eng.extend_attention(l, torch.randn(n, HQ, D), torch.tensor([row]), torch.zeros(1, dtype=torch.long),
-                                 torch.tensor([n]), rtp.req_to_token, None, k, v)
-    rt.batch_rows_host = list(ROWS)
+    be, rt, mr = backend_over(eng, rtp, ROWS, lens, WIDTH)
     return be, eng, rtp, rt, mr
 
 
