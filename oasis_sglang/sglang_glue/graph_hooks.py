@@ -23,7 +23,11 @@ overrode ``capture_one_shape`` without SGLang's (none in 0.5.17) would find no d
 
 from __future__ import annotations
 
+import logging
+
 from .runtime import OasisRuntime, runtime_of
+
+logger = logging.getLogger(__name__)
 
 DENSE_VARIANT = "oasis_dense"
 
@@ -49,6 +53,10 @@ def capture_one_shape_hook(original, self, size, forward, stream_idx=None, varia
     rt = _target_runtime(self)
     if rt is None or not rt.engine.can_capture_dense():
         return out
+    if not getattr(self, "_oasis_dense_logged", False):
+        self._oasis_dense_logged = True
+        logger.info("OasisKV: each decode batch size is captured twice, the full path and the dense path for "
+                    "short contexts (graph variant %r; dense_short_contexts: false captures one)", DENSE_VARIANT)
     rt.capture_dense = True
     try:
         original(self, size, forward, stream_idx, dense_label(variant_label), *args, **kwargs)
