@@ -374,7 +374,7 @@ def test_chunked_prefill_then_decode_is_exact(seed, predictor):
     only, so the resident copy must be dropped.)"""
     eng = _engine(64, predictor)
     run = Run(eng, [2], 20, 40)
-    rows, B = run.rows, 1
+    rows = run.rows
     n1, n2 = 20, 29
     for l in eng.sparse_layers:
         for lo, hi in ((0, n1), (n1, n2)):
