@@ -551,7 +551,7 @@ class OasisSparseKV:
             s.dense_steps += 1
         self.prepare_step_device()               # (a dense step's slot update included)
         if host is not None and self.record.trusted and self.cfg.dense_short_contexts and (step.dense or (
-                not self.predictor.asynchronous and max_seq + 1 <= self.ws.K * self.bs)):
+                not self.predictor.asynchronous and self._next_fits(max_seq))):
             # the working sets hold every block of the context (a dense step: of the next one too;
             # a synchronous full step: of this one, which selects them all): the next step may run dense
             self.record.mark(rows_d, step.seq_p1)
@@ -567,6 +567,11 @@ class OasisSparseKV:
         return bool(cfg.dense_short_contexts) and not cfg.measure_agreement and self.stages.remote is None \
             and not b.skip_prefetch and not b.assume_predicted
 
+    def _next_fits(self, max_seq: int) -> bool:
+        """The next context of a batch whose longest context is ``max_seq`` tokens fits the
+        working set (``K * block_size`` tokens): the condition of the dense path."""
+        return max_seq + 1 <= self.ws.K * self.bs
+
     def _can_run_dense(self, host, max_seq: int) -> bool:
         """Host-only: this eager step may take the dense path for short contexts
         (``dense_short_contexts``): every row's next context fits the working set
@@ -579,7 +584,7 @@ class OasisSparseKV:
             return False
         if self.stages.remote is not None or b.skip_prefetch or b.assume_predicted:
             return False
-        if max_seq + 1 > self.ws.K * self.bs or not self.record.trusted:
+        if not self._next_fits(max_seq) or not self.record.trusted:
             return False
         return self.record.all_predicted_host(*host)
 
@@ -645,7 +650,7 @@ class OasisSparseKV:
         s.dense_steps += int(dense)
         if self.predictor.asynchronous:
             self.record.mirror(rows_l, [x + 1 for x in seq_l])
-        elif self._dense_graphs and rows_l and self.record.trusted and max_seq + 1 <= self.ws.K * self.bs:
+        elif self._dense_graphs and rows_l and self.record.trusted and self._next_fits(max_seq):
             # current: this step selects (or, dense, keeps) the whole context, as an eager step
             # marks it in begin_decode_step; the graph marks nothing for current, so mark here
             self.record.mark(to_device(rows_l, self.device), to_device([x + 1 for x in seq_l], self.device))
