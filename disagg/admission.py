@@ -137,6 +137,78 @@ def apply_admission(eng: OasisSparseKV, remote: RemoteBlocks, packet: AdmissionP
     remote.admit(pages, peer, packet.src_pages, present)
 
 
+def first_step_mask(eng: OasisSparseKV, row: int, req_to_token_row: torch.Tensor, prompt_len: int) \
+        -> tuple[torch.Tensor, torch.Tensor]:
+    """The first decode step's working set that prefill planned for request row ``row``, as one
+    mask row per prompt block: what SGLang's page-by-page transfer carries to the decode node
+    (``sglang_glue/pool.py``, region ``pd_first_step``; paper: PD admission sends the first
+    step's working set, selected on the prefill node with the last prompt token's query).
+
+    Returns:
+        ``(pages [N] int64, mask [N, L * H] int16)``: the request's host pages (block by block)
+        and, per block, at column ``li * H + h`` the working-set slot + 1 that holds the block
+        in sparse layer ``li``, KV head ``h`` (0: not held). All zero when the engine planned
+        nothing (predictor ``current``, or a benchmark without prefetch): the decode node then
+        selects the first step itself. The next token's block (``prompt_len // bs == N``) is
+        not a prompt block and is not in the mask (``plan_from_mask`` puts it back).
+    Raises:
+        ValueError: a bad row or prompt length, or more than 32767 working-set slots.
+    """
+    if isinstance(row, bool) or not isinstance(row, int) or not 0 <= row < eng.ws.R \
+            or not 0 < prompt_len <= req_to_token_row.numel():
+        raise ValueError(f"first_step_mask: row {row!r} (0..{eng.ws.R - 1}) / prompt_len {prompt_len!r} out of range")
+    if eng.ws.K > torch.iinfo(torch.int16).max:
+        raise ValueError(f"first_step_mask: {eng.ws.K} working-set slots do not fit the int16 mask")
+    pages = request_pages(req_to_token_row, prompt_len, eng.bs)
+    L, H, N = len(eng.sparse_layers), eng.head_num, pages.numel()
+    mask = torch.zeros((N, L * H), dtype=torch.int16)
+    if not eng.predictor.asynchronous or eng.bench.skip_prefetch:
+        return pages, mask
+    eng.pipe.drain()              # the prefetch streams may still write the working set
+    ids = eng.ws.ids[:, row].to("cpu")                                  # [L, H, K]
+    li, h, k = torch.nonzero((ids >= 0) & (ids < N), as_tuple=True)
+    mask[ids[li, h, k], li * H + h] = (k + 1).to(torch.int16)
+    return pages, mask
+
+
+def plan_from_mask(mask: torch.Tensor, prompt_len: int, block_size: int, num_slots: int) -> torch.Tensor | None:
+    """The decode node's side of :func:`first_step_mask`: the first step's working set ids.
+
+    Args:
+        mask: ``[L, H, N]`` integer, the received mask of the request's ``N`` prompt blocks
+            (slot + 1 per block, 0: not held).
+        prompt_len: prompt tokens (the first step's context is ``prompt_len + 1``).
+        block_size: tokens per block. num_slots: ``K``, working-set slots per (layer, KV head).
+    Returns:
+        ``[L, H, K]`` int64 block numbers by slot, ``-1`` empty: the prefill node's slots, and
+        when the new token opens a block of its own (``prompt_len % block_size == 0``) that
+        block in the first slot left free (where the prefill node's plan put it when the row
+        was empty, as it is for a prompt prefilled in one chunk). ``None`` when the mask is no
+        plan: a (layer, KV head) without a block, a slot past ``K`` or held twice, no slot
+        left for the new token's block (prefill planned nothing, a node with a larger budget,
+        or two requests sharing cached prefix pages whose masks crossed in flight). The caller
+        then lets the first step select for itself.
+    """
+    L, H, N = mask.shape
+    m = mask.to(torch.int64)
+    held = m > 0
+    need_next = prompt_len // block_size >= N                # the new token opens a block of its own
+    if N == 0 or not bool(held.any(-1).all()) or int(m.max()) > num_slots:
+        return None
+    ids = torch.full((L, H, num_slots + 1), -1, dtype=torch.int64)
+    blocks = torch.arange(N, dtype=torch.int64).expand(L, H, N)
+    ids.scatter_(-1, torch.where(held, m - 1, num_slots), torch.where(held, blocks, -1))
+    ids = ids[..., :num_slots]
+    if int((ids >= 0).sum()) != int(held.sum()):            # two blocks in one slot
+        return None
+    if need_next:
+        free = ids < 0
+        if not bool(free.any(-1).all()):
+            return None
+        ids.scatter_(-1, free.to(torch.int8).argmax(-1, keepdim=True), prompt_len // block_size)
+    return ids
+
+
 def full_transfer_bytes(prompt_len: int, num_layers: int, head_num: int, head_dim: int, v_head_dim: int,
                         elem_bytes: int) -> int:
     """Bytes SGLang's PD mode sends for a prompt: K and V of every layer and prompt token."""

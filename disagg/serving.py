@@ -2,8 +2,10 @@
 
 Paper: PD integration, remote partial fetching. What crosses at admission (SGLang's own NIXL
 transfer, page by page, of the regions ``sglang_glue/pool.py OasisKVPool.get_contiguous_buf_infos``
-advertises): the dense layers' KV, every sparse layer's min/max key summaries, and the prefill
-node's page number of each block. The sparse layers' K/V stay in the prefill node's host tier
+advertises): the dense layers' KV, every sparse layer's min/max key summaries (bf16 staging
+buffers, rounded outward, when the engine's are wider: ``pd_summaries``), the prefill node's
+page number of each block, and per block the first decode step's working-set slots the prefill
+node planned (``pd_first_step``). The sparse layers' K/V stay in the prefill node's host tier
 (its staging pool, registered with NIXL by :class:`PrefillSide`) and the decode node reads the
 blocks its steps select (:class:`DecodeSide`: ``core/remote.py RemoteBlocks`` + ``transport.py
 RemoteBlockFetcher``: one NIXL READ holding every request's pieces per (sparse layer, peer) in a
@@ -11,9 +13,20 @@ step that waits, per peer and step when reads are deferred; made on the fetcher'
 
 Rules (stated, tested in tests/e2e/test_e2e_pd_oasis.py):
 
-- First decode step on the decode node: the request has no working set yet, so the step selects
-  synchronously with its own query (``OasisSparseKV.decode_attention``'s synchronous path) and
-  reads the selected blocks before attending; later steps use the configured predictor.
+- First decode step: with an asynchronous predictor (``previous``, ``lookahead``) on both nodes,
+  the prefill node plans it during the last chunk's forward with the last prompt token's query
+  (as a colocated server does), and writes the plan into the ``pd_first_step`` region at the
+  request's pages right before its send; the request is sent in one piece with its last chunk
+  (``sglang_hooks.should_send_kv_chunk_hook`` holds back the earlier chunks and SGLang's early
+  send of a cached prefix: the plan is known only then). At admission the decode node reads the
+  planned blocks (one NIXL READ per prefill node for every request admitted in that scheduler
+  iteration, all layers; the scheduler waits for it between batches) and installs them slot by
+  slot (``DecodeSide.install_first_steps``), so the first step is a predicted step (in CUDA
+  graphs where the predictor's are). Without a usable plan (``current`` on the prefill node, the
+  mask's two copies differ, a slot past this node's budget or held twice: two requests sharing
+  cached prefix pages whose sends crossed) the row starts empty and the first step selects
+  synchronously with its own query and reads its blocks before attending, as does every step
+  with ``current`` on the decode node.
 - A block not here yet: a predicted step leaves it out and keeps its resident set
   (``pd_read_mode: deferred``, below); a synchronous step, and every step with ``wait`` or
   ``predictor: current``, waits for its READ (deadline ``pd_read_timeout_s``). A READ
@@ -80,7 +93,7 @@ import torch
 
 from ..core import host_tier
 from ..core.remote import RemoteBlocks
-from .admission import request_pages
+from .admission import first_step_mask, plan_from_mask, request_pages, round_outward
 from .transport import NixlTier, PeerLostError, RemoteBlockFetcher, TierLayout
 
 logger = logging.getLogger(__name__)
@@ -156,11 +169,63 @@ class PrefillSide:
     role = "prefill"
 
     def __init__(self, engine, lease_s: float, tp_rank: int = 0):
+        self.engine = engine
         self.tier = NixlTier(engine.host.k, engine.host.v, agent_name("prefill", tp_rank),
                              cpu_engine=engine.device.type == "cpu")
         self.lease_s = float(lease_s)
         self.leases: dict[int, Lease] = {}
         self.released = self.expired = 0
+        self.first_steps_sent = 0        # requests sent with a first-step working set planned here
+
+    def prepare_send(self, pool, row: int, req_to_token_row: torch.Tensor, prompt_len: int) -> int:
+        """Right before a request's send (its last chunk; the chunks before it are held back by
+        ``sglang_hooks.should_send_kv_chunk_hook``), fill what that send carries besides SGLang's
+        own data, at the request's pages:
+
+        - the bf16 summaries (``pool.pd_summaries``, when the engine's are wider): the request's
+          min / max key summaries rounded outward (``admission.round_outward``: min down, max up,
+          so the Quest bound still holds for every key of a block);
+        - both copies of ``pd_first_step``: the first decode step's working set this node
+          planned for it (``admission.first_step_mask``); a failure there only costs the plan
+          (logged; the decode node then selects the first step itself).
+
+        Args:
+            pool: the ``OasisKVPool`` (no regions yet: nothing is written). row: the request's row.
+            req_to_token_row: its ``[max_len]`` token slots. prompt_len: tokens sent.
+        Returns: the (block, sparse layer, KV head) entries of the plan (0: none planned).
+        Raises:
+            ValueError: a bad row or length.
+        """
+        eng = self.engine
+        if not 0 < prompt_len <= req_to_token_row.numel():
+            raise ValueError(f"OasisKV PD: prepare_send: prompt_len {prompt_len!r} not in "
+                             f"1..{req_to_token_row.numel()}")
+        pages = request_pages(req_to_token_row, prompt_len, eng.bs)
+        staged = getattr(pool, "pd_summaries", None)
+        if staged is not None:
+            pd = pages.to(eng.device)
+            for li in range(len(eng.sparse_layers)):
+                lo, hi = round_outward(eng.summaries.kmin[li][pd], eng.summaries.kmax[li][pd], staged[0][li].dtype)
+                staged[0][li][pd.to(staged[0][li].device)] = lo.to(staged[0][li].device)
+                staged[1][li][pd.to(staged[1][li].device)] = hi.to(staged[1][li].device)
+        regions = getattr(pool, "pd_first_step", None)
+        n = 0
+        if regions is not None:
+            try:
+                pages, mask = first_step_mask(eng, row, req_to_token_row, prompt_len)
+            except Exception as e:  # noqa: BLE001 - the request is still sent, without a plan
+                logger.warning("OasisKV PD: the first decode step of row %s was not planned for its decode node: %s",
+                               row, e)
+                mask = torch.zeros((pages.numel(), regions[0].shape[1]), dtype=regions[0].dtype)
+            dev = regions[0].device
+            pd, m = pages.to(dev), mask.to(dev, regions[0].dtype)
+            for t in regions:
+                t[pd] = m
+            n = int((mask > 0).sum())
+            self.first_steps_sent += bool(n)
+        if eng.device.type == "cuda":
+            torch.cuda.current_stream(eng.device).synchronize()     # NIXL's thread reads the regions next
+        return n
 
     def layout_b64(self) -> str:
         return base64.b64encode(self.tier.layout(self.lease_s).to_bytes()).decode()
@@ -296,6 +361,12 @@ class DecodeSide:
         P = (pool.size + pool.page_size) // pool.page_size        # pages of every transfer region (pool.py)
         # the prefill node's page of each block arrives here with SGLang's transfer; -1: none yet
         pool.pd_page_ids = [torch.full((P,), -1, dtype=torch.int64, device=pool.device) for _ in range(2)]
+        # the first step's working set the prefill node planned, per block (admission.first_step_mask)
+        pool.pd_first_step = [torch.zeros((P, len(engine.sparse_layers) * engine.head_num), dtype=torch.int16,
+                                          device=pool.device) for _ in range(2)]
+        # admitted rows whose planned first step is still to be read and installed
+        self._first: list[tuple[int, torch.Tensor, torch.Tensor, int, str]] = []
+        self.first_steps_planned = 0     # requests whose first step used the prefill node's plan
         self.peers: dict[tuple[str, int], str] = {}          # (bootstrap host, port) -> agent
         self.rows: dict[int, Admitted] = {}
         self.aborted = 0
@@ -505,16 +576,22 @@ class DecodeSide:
 
     # ---- requests ---------------------------------------------------------------------------
     def admit(self, row: int, req_to_token_row: torch.Tensor, prompt_len: int, host: str, port: int,
-              room: int, rid: str = "") -> None:
+              room: int, rid: str = "", install: bool = True) -> None:
         """A request whose SGLang transfer completed: its pages here are backed by the prefill
         node's pages (``pd_page_ids``, received with the transfer); nothing of its sparse
-        layers' K/V is here yet. Its row starts empty, so its first step selects synchronously.
+        layers' K/V is here yet. When the transfer carried the first decode step's working set
+        the prefill node planned (``pd_first_step``; ``admission.plan_from_mask``) and this
+        node's predictor is asynchronous, those blocks are read now and installed in its row
+        (:meth:`install_first_steps`), so its first step is a predicted one; otherwise its row
+        starts empty and its first step selects synchronously.
 
         Args:
             row: the request's row in SGLang's request table. req_to_token_row: ``[max_len]``
                 integer token slots of that row. prompt_len: prompt tokens (their KV was sent).
             host, port: the request's bootstrap address (finds its prefill node). room: its
                 bootstrap room (names its lease there). rid: for log lines.
+            install: read and install the planned first step now; ``False``: queue it for
+                :meth:`install_first_steps` (one read per peer for several admissions).
 
         Raises:
             PeerLostError: the prefill node's host tier cannot be found.
@@ -540,6 +617,16 @@ class DecodeSide:
         # by stream work) it would wipe
         for t in self.pool.pd_page_ids:
             t.index_fill_(0, pd, -1)
+        first = None
+        regions = getattr(self.pool, "pd_first_step", None)
+        if regions is not None:
+            m0, m1 = (t[pd].to("cpu") for t in regions)
+            for t in regions:
+                t.index_fill_(0, pd, 0)
+            eng = self.engine
+            if eng.predictor.asynchronous and torch.equal(m0, m1) and m0.shape[-1] == len(eng.sparse_layers) * eng.head_num:
+                mask = m0.view(pages.numel(), len(eng.sparse_layers), eng.head_num).permute(1, 2, 0)
+                first = plan_from_mask(mask, prompt_len, eng.bs, eng.ws.K)
         if bool((src < 0).any()) or not torch.equal(src, src2):
             raise ValueError("OasisKV PD: the transfer did not carry the prefill node's page numbers (is the prefill "
                              "node running --kv-sparse oasis with the same block_size and dense_layers?)")
@@ -547,7 +634,15 @@ class DecodeSide:
             raise ValueError(f"OasisKV PD: received page numbers up to {int(src.max())}, but the prefill node's host "
                              f"tier has {self.fetcher.peers[peer].num_pages} pages")
         self.engine.reset_rows([row])
+        staged = getattr(self.pool, "pd_summaries", None)
+        if staged is not None:          # the summaries crossed in bf16 (PrefillSide.prepare_send)
+            sm = self.engine.summaries
+            for li in range(len(self.engine.sparse_layers)):
+                sm.kmin[li][pages.to(sm.kmin[li].device)] = staged[0][li][pd].to(sm.kmin[li].device, sm.kmin[li].dtype)
+                sm.kmax[li][pages.to(sm.kmax[li].device)] = staged[1][li][pd].to(sm.kmax[li].device, sm.kmax[li].dtype)
         self.remote.admit(pages, peer, src)
+        if first is not None:
+            self._first.append((int(row), first, pages, prompt_len + 1, peer))
         now = lease_clock()
         adm = Admitted(pages, peer, int(room), rid, int(src[-1]), now,
                        min(self.lease_s, self.peer_lease.get(peer, self.lease_s)))
@@ -561,17 +656,63 @@ class DecodeSide:
         self._wake.set()               # the thread's tick follows the shortest lease held
         n = pages.numel()
         draft = self.draft_page_bytes or 0
-        sent = n * (getattr(self.pool, "pd_page_bytes", 0) + draft)
+        # the planned first step's blocks cross at admission too (read below: install_first_steps)
+        first_bytes = 0 if first is None else int(((first >= 0) & (first < n)).sum()) * self.engine.block_bytes
+        sent = n * (getattr(self.pool, "pd_page_bytes", 0) + draft) + first_bytes
         full = n * (getattr(self.pool, "pd_full_page_bytes", 0) + draft)
         self.admission_bytes += sent
         self.full_transfer_bytes += full
         if sent:
             mib = 2 ** 20
+            how = (f"its {int((first >= 0).sum())} blocks planned on the prefill node ({first_bytes / mib:.2f} "
+                   "MiB, read at admission)" if first is not None else "selected here (read on demand)")
             logger.info("OasisKV PD: admitted request %s from %s: %d prompt tokens, %.2f MiB at admission (dense "
-                        "layers, summaries, page numbers%s) vs %.2f MiB for a full transfer (%.2fx less); read on "
-                        "demand so far: %.2f MiB in %d NIXL reads", rid, peer, prompt_len, sent / mib,
-                        ", draft model's KV" if draft else "", full / mib, full / sent, self.fetcher.stats.bytes / mib,
-                        self.fetcher.stats.transfers)
+                        "layers, summaries, page numbers, first-step masks%s%s) vs %.2f MiB for a full transfer "
+                        "(%.2fx less); first step's working set: %s; read on demand so far: %.2f MiB in %d NIXL "
+                        "reads", rid, peer, prompt_len, sent / mib, ", draft model's KV" if draft else "",
+                        ", first step's blocks" if first is not None else "", full / mib, full / sent, how,
+                        *self._on_demand())
+        if install:
+            self.install_first_steps()
+
+    def _on_demand(self) -> tuple[float, int]:
+        """MiB and NIXL reads from prefill nodes so far, the planned first steps' reads at
+        admission left out (for the log lines)."""
+        st, r = self.fetcher.stats, self.remote
+        return (st.bytes - r.first_step_bytes) / 2 ** 20, st.transfers - r.first_step_reads
+
+    def install_first_steps(self) -> int:
+        """Read the planned first-step working sets of the rows admitted since the last call
+        (one NIXL READ per peer with every request's pieces, all layers: ``RemoteBlocks.read_now``;
+        the scheduler waits for it between batches, as a synchronous first step would inside
+        its forward) and install them (``OasisSparseKV.install_working_set_from_host``). A row
+        whose peer was lost meanwhile keeps an empty row: its first step selects and the lost
+        peer ends it (:meth:`lost_rows`). Returns bytes read."""
+        pend, self._first = self._first, []
+        pend = [x for x in pend if x[0] in self.rows and self.rows[x[0]].pages is x[2]]
+        if not pend:
+            return 0
+        ls, hs, ps = [], [], []
+        for _, ids, pages, _, _ in pend:
+            li, h, k = torch.nonzero((ids >= 0) & (ids < pages.numel()), as_tuple=True)
+            ls.append(li)
+            hs.append(h)
+            ps.append(pages[ids[li, h, k]])
+        n = self.remote.read_now(torch.cat(ls), torch.cat(hs), torch.cat(ps))
+        for row, ids, pages, seq_next, peer in pend:
+            if peer in self.remote.lost:
+                logger.warning("OasisKV PD: the first step of row %d was not read (prefill node %s lost: %s)", row,
+                               peer, self.remote.lost[peer])
+                continue
+            try:
+                self.engine.install_working_set_from_host(row, ids, pages, seq_next)
+            except Exception as e:  # noqa: BLE001 - the row then selects its first step itself
+                logger.error("OasisKV PD: installing the first step of row %d failed (%s); it selects its own",
+                             row, e)
+                self.engine.reset_rows([row])
+                continue
+            self.first_steps_planned += 1
+        return n
 
     def held_bytes(self, row: int, pages: torch.Tensor, tokens: int | None = None) -> int:
         """Bytes of request ``row``'s sparse-layer K/V in this node's host tier: the pieces of its
@@ -625,8 +766,7 @@ class DecodeSide:
                             "MiB in %d NIXL reads, %d pieces of them left out of a plan first (pd_read_mode "
                             "deferred); starting reads between steps: %.3f ms per step (%.3f ms of it reading "
                             "the plans' counts, %.3f ms marking ended reads' pieces present)", adm.rid, held / mib,
-                            whole / mib, less, res, left, self.fetcher.stats.bytes / mib,
-                            self.fetcher.stats.transfers, self.remote.deferred_pieces,
+                            whole / mib, less, res, left, *self._on_demand(), self.remote.deferred_pieces,
                             1e3 * self.remote.service_s / max(1, self.remote.service_calls),
                             1e3 * self.remote.counts_s / max(1, self.remote.service_calls),
                             1e3 * self.remote.ended_s / max(1, self.remote.service_calls))

@@ -98,6 +98,30 @@ def prefill_release_hook(original, req, tree_cache, *args, **kwargs):
     return original(req, tree_cache, *args, **kwargs)
 
 
+def send_kv_chunk_hook(original, self, req, last_chunk: bool = False, *args, **kwargs):
+    """AROUND ``SchedulerDisaggregationPrefillMixin.send_kv_chunk``: before a request's last
+    send, fill what it carries besides SGLang's own data (``PrefillSide.prepare_send``: the
+    summaries in bf16 where the engine's are wider, and the first decode step's working set this
+    node planned, region ``pd_first_step``)."""
+    s = side()
+    if isinstance(s, PrefillSide) and last_chunk and req.req_pool_idx is not None:
+        s.prepare_send(self.token_to_kv_pool_allocator.get_kvcache(), int(req.req_pool_idx),
+                       self.req_to_token_pool.req_to_token[req.req_pool_idx], len(req.origin_input_ids))
+    return original(self, req, last_chunk, *args, **kwargs)
+
+
+def should_send_kv_chunk_hook(result, self, *args, **kwargs):
+    """AFTER ``CommonKVSender.should_send_kv_chunk``: on an OasisKV prefill node a request is sent
+    in one piece, with its last chunk (the chunks before it, and SGLang's early send of a cached
+    prefix, are held back: ``send_kv_chunk`` then sends from the first unsent page), because
+    every page carries the first step's working set (``pd_first_step``), which is known only
+    after the last prompt token's forward."""
+    last_chunk = kwargs.get("last_chunk", args[1] if len(args) > 1 else False)
+    if isinstance(side(), PrefillSide) and not last_chunk:
+        return False
+    return result
+
+
 def _last_page(req, tree_cache):
     """The page of the request's last transferred (prompt) token, which names its transfer in
     the decode node's release (``PrefillSide.lease``); ``None`` if it cannot be read."""
@@ -176,11 +200,12 @@ def pop_transferred_hook(result, self, *args, **kwargs):
             continue
         try:
             s.admit(req.req_pool_idx, rtt[req.req_pool_idx], _transferred_len(req), req.bootstrap_host,
-                    req.bootstrap_port, req.bootstrap_room, req.rid)
+                    req.bootstrap_port, req.bootstrap_room, req.rid, install=False)
         except Exception as e:  # noqa: BLE001 - one request's admission must not stop the decode loop
             logger.error("OasisKV PD: request %s cannot be admitted: %s", req.rid, e)
             _abort(req, f"OasisKV PD: cannot admit the request: {e}")
             s.refuse(req.bootstrap_host, req.bootstrap_port, req.bootstrap_room, req.rid)
+    s.install_first_steps()          # one READ per prefill node for every admitted request's first step
     return result
 
 

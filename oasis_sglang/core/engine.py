@@ -291,6 +291,46 @@ class OasisSparseKV:
             self.record.mirror([row], [seq_next])
         self._prefilled = True
 
+    def install_working_set_from_host(self, row: int, ids: torch.Tensor, pages: torch.Tensor, seq_next: int) -> None:
+        """PD decode node: ``install_working_set`` with the blocks' K/V taken from this engine's
+        own host tier (where the caller read them: ``disagg/serving.py DecodeSide.admit``),
+        gathered into the row's slots by ``ops.copy_blocks`` as the transfer stage does.
+
+        Args:
+            ids: ``[L, H, K]`` int64 block numbers per (sparse layer, KV head, slot), -1 empty;
+                a block at or past ``N`` (the next token's) is admitted empty, without a copy.
+            pages: ``[N]`` int64 the request's host pages, block by block.
+            seq_next: the context of the row's first decode step (prompt tokens + 1).
+        Raises:
+            ValueError: a bad row, shapes or pages (before anything changes).
+        """
+        L, H, K, bs, P = self.ws.L, self.head_num, self.ws.K, self.bs, self.host.num_pages
+        pages = torch.as_tensor(pages).reshape(-1).cpu().to(torch.int64)
+        ids = torch.as_tensor(ids).cpu().to(torch.int64)
+        N = pages.numel()
+        if isinstance(row, bool) or not isinstance(row, int) or not 0 <= row < self.ws.R or seq_next < 1 \
+                or tuple(ids.shape) != (L, H, K) or not N or int(pages.min()) < 0 or int(pages.max()) >= P:
+            raise ValueError(f"install_working_set_from_host: row {row!r} (0..{self.ws.R - 1}), ids "
+                             f"{tuple(ids.shape)} (want [{L}, {H}, {K}]), {N} pages in 0..{P - 1}, seq_next {seq_next!r}")
+        self.pipe.drain()
+        dev = self.device
+        self.ws.ids[:, row] = ids.to(dev)
+        self.ws.last_used[:, row] = torch.where(ids >= 0, self._clock + 1, 0).to(dev)
+        hh = torch.arange(H, dtype=torch.int64)[:, None].expand(H, K)
+        slot = (row * H + hh) * K + torch.arange(K, dtype=torch.int64)[None, :]          # [H, K]
+        D, Dv = self.head_dim, self.v_head_dim
+        for li in range(L):
+            b = ids[li]
+            live = (b >= 0) & (b < N)
+            dst = torch.where(live, slot, -1).reshape(-1).to(dev)
+            src = (hh * P + pages[b.clamp(0, N - 1)]).reshape(-1).to(dev)
+            self.ops.copy_blocks(self.ws.k[li].view(-1, bs * D), self.ws.v[li].view(-1, bs * Dv), dst,
+                                 self.host.k[li].view(-1, bs * D), self.host.v[li].view(-1, bs * Dv), src)
+        if self.predictor.asynchronous:
+            self.record.mark(torch.tensor([row], device=dev), torch.tensor([seq_next], device=dev))
+            self.record.mirror([row], [seq_next])
+        self._prefilled = True
+
     def is_sparse(self, layer_id: int) -> bool:
         """True when ``layer_id`` (model layer index) is served by OasisKV."""
         return layer_id in self.index

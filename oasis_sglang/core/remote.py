@@ -1,8 +1,9 @@
 """Decode node of a PD deployment: which host-tier pieces are here, and where the others are.
 
 Paper: PD integration, remote partial fetching. A request admitted from a prefill node brings
-only part of its KV cache (in serving its dense layers' KV and key summaries, and its first step
-reads the working set it selects; ``disagg/``). The rest of its
+only part of its KV cache (in serving its dense layers' KV, key summaries and the slots of the
+first step's working set the prefill node planned, whose blocks ``read_now`` reads at admission;
+``disagg/``). The rest of its
 blocks stay in the prefill node's host tier (the *staging pool*) and are read on demand: before
 the transfer stage copies admitted blocks host -> device (``core/stages.py``), ``ensure_local``
 reads the pieces that are not here yet from their peer (one read per (sparse layer, peer),
@@ -20,8 +21,8 @@ When a read is made (``OasisConfig.pd_read_mode``):
   for the network: a block arrives two or more steps after the plan that first wanted it (on
   CUDA three or more: the counts are read one step late, ``_left_out``). Blocks a step
   starts empty (its new token is their first) are never left out.
-- ``wait``, and a synchronous step (a request's first step after admission selects with its
-  own query): ``ensure_local`` in the transfer stage reads the plan's missing pieces before
+- ``wait``, and a synchronous step (a request's first step after admission without a plan from
+  the prefill node selects with its own query): ``ensure_local`` in the transfer stage reads the plan's missing pieces before
   copying them (a host read of the plan per layer; outputs equal colocated decoding).
 
 A read that fails (its deadline is the fetcher's) marks its peer lost; its pieces are skipped
@@ -113,6 +114,9 @@ class RemoteBlocks:
         self.lost: dict[str, str] = {}            # peer -> why
         self.bytes_read = 0
         self.pieces_read = 0
+        self.first_step_pieces = 0      # pieces read by ``read_now`` (first steps planned on the prefill node)
+        self.first_step_bytes = 0
+        self.first_step_reads = 0       # and the reads that carried them (one per peer and call)
 
     def _peer_index(self, name: str) -> int:
         if name not in self.peer_names:
@@ -228,6 +232,61 @@ class RemoteBlocks:
             self._mark_present_dev(torch.tensor(layer, dtype=torch.int64), h[sel], p[sel])
             self.pieces_read += int(sel.sum())
         self.bytes_read += n
+        return n
+
+    def read_now(self, layers: torch.Tensor, heads: torch.Tensor, pages: torch.Tensor) -> int:
+        """Make pieces ``(layers[i], heads[i], pages[i])`` (``[M]`` int64 each) present and wait:
+        one read per peer holding every layer's pieces (``post`` / ``poll``; without them one
+        ``fetch`` per (layer, peer)). Used at a PD admission for the first step's working set
+        the prefill node planned (``disagg/serving.py DecodeSide.admit``), between batches.
+
+        Pieces already present, not admitted from a peer or of a lost peer are skipped; reads in
+        flight are waited for first. A peer whose read fails is marked lost (its pieces stay
+        missing; a read it may still write is waited for before its pages change hands).
+        Returns: bytes read.
+        """
+        l, h, p = (torch.as_tensor(x).reshape(-1).cpu().to(torch.int64) for x in (layers, heads, pages))
+        if not l.numel():
+            return 0
+        if bool(self.inflight[l, h, p].any()):
+            self.wait_reads()
+        keep = ~self.present[l, h, p] & (self.peer[p] >= 0)
+        l, h, p = l[keep], h[keep], p[keep]
+        n = 0
+        owner = self.peer[p]
+        for pi in torch.unique(owner).tolist():
+            name = self.peer_names[pi]
+            if name in self.lost:
+                continue
+            sel = owner == pi
+            ls, hs, ps = l[sel], h[sel], p[sel]
+            read, nb = None, 0
+            try:
+                if self.post is not None:
+                    read = self.post(name, ls, hs, self.src_page[ps], ps)
+                    if read is not None:
+                        while not self.poll(read):
+                            time.sleep(0.0002)
+                        nb = int(getattr(read, "nbytes", 0))
+                else:
+                    for layer in torch.unique(ls).tolist():
+                        m = ls == layer
+                        nb += int(self.fetch(name, layer, hs[m], self.src_page[ps[m]], ps[m]))
+            except Exception as e:  # noqa: BLE001 - any failure of a peer ends its requests, not the step
+                self.lost[name] = f"{type(e).__name__}: {e}"
+                ended = getattr(read, "ended", None)
+                if ended is not None and not ended.is_set():
+                    self.abandoned.append((ps, read))       # its bytes may still land: pages wait for it
+                continue
+            self.present[ls, hs, ps] = True
+            self._mark_present_dev(ls, hs, ps)
+            k = int(ps.numel())
+            self.pieces_read += k
+            self.bytes_read += nb
+            self.first_step_pieces += k
+            self.first_step_bytes += nb
+            self.first_step_reads += read is not None or self.post is None
+            n += nb
         return n
 
     def filter_planned(self, layer: int, rows: torch.Tensor, wanted: torch.Tensor, forced: torch.Tensor,

@@ -74,13 +74,21 @@ class OasisKVPool(MHATokenToKVPool):
         ``(address, bytes, bytes per page)`` with one item per page. OasisKV's sparse layers
         keep no device KV (their placeholder must not be advertised as a full region), so the
         halves are: the dense layers' K / V buffers, then per sparse layer the min / max key
-        summaries (``[P, H, D]``, the summaries' dtype), then one ``int64 [P]`` page-number
+        summaries (``[P, H, D]``; summaries wider than 16 bits cross in bf16 staging buffers,
+        ``pd_summaries``, which the prefill node fills rounded outward right before a request's
+        send and the decode node reads back at its admission: ``disagg/serving.py``), then one
+        ``int64 [P]`` page-number
         buffer each (``pd_page_ids``; on a prefill node page ``p`` holds ``p``, so a decode
         node receives, at its own pages, the prefill node's page of each block: where to read
-        the blocks' K/V on demand). Every region has the same ``P = (size + page_size) /
-        page_size`` pages, as SGLang's prepared transfers assume.
+        the blocks' K/V on demand), then one ``int16 [P, sparse * H]`` first-step mask buffer
+        each (``pd_first_step``: per block, the slot + 1 of each (sparse layer, KV head) working
+        set of the request's first decode step that holds it, as the prefill node planned them with the last
+        prompt token's query: ``disagg/admission.py first_step_mask``; the prefill node writes
+        it right before the request's send, which it makes in one piece). Every region has the
+        same ``P = (size + page_size) / page_size`` pages, as SGLang's prepared transfers
+        assume.
 
-        Returns: ``(ptrs, lens, item_lens)``, lists of ``2 * (dense + sparse + 1)`` ints.
+        Returns: ``(ptrs, lens, item_lens)``, lists of ``2 * (dense + sparse + 2)`` ints.
         Raises:
             RuntimeError: the OasisKV engine is not attached yet, or ``--page-size`` differs
                 from ``block_size`` (both checked at start-up; this guards the layout).
@@ -92,9 +100,20 @@ class OasisKVPool(MHATokenToKVPool):
         P = (self.size + self.page_size) // self.page_size
         if getattr(self, "pd_page_ids", None) is None:
             self.pd_page_ids = [torch.arange(P, dtype=torch.int64, device=self.device) for _ in range(2)]
+        if getattr(self, "pd_first_step", None) is None:
+            self.pd_first_step = [torch.zeros((P, len(eng.sparse_layers) * eng.head_num), dtype=torch.int16,
+                                              device=self.device) for _ in range(2)]
+        smin, smax = eng.summaries.kmin, eng.summaries.kmax
+        if smin and smin[0].element_size() > 2:
+            if getattr(self, "pd_summaries", None) is None:
+                self.pd_summaries = tuple([torch.zeros(t.shape, dtype=torch.bfloat16, device=t.device) for t in s]
+                                          for s in (smin, smax))
+            smin, smax = self.pd_summaries
+        else:
+            self.pd_summaries = None
         dense = [i for i in range(self.layer_num) if self._is_dense(i + self.start_layer)]
-        halves = ([self.k_buffer[i] for i in dense] + list(eng.summaries.kmin) + [self.pd_page_ids[0]],
-                  [self.v_buffer[i] for i in dense] + list(eng.summaries.kmax) + [self.pd_page_ids[1]])
+        halves = ([self.k_buffer[i] for i in dense] + list(smin) + [self.pd_page_ids[0], self.pd_first_step[0]],
+                  [self.v_buffer[i] for i in dense] + list(smax) + [self.pd_page_ids[1], self.pd_first_step[1]])
         ptrs, lens, items = [], [], []
         for half in halves:
             for t in half:

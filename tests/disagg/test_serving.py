@@ -35,9 +35,9 @@ def sglang_transfer(pf, dc, dc_pool, src_pages, dst_pages):
         t[dst_pages] = src_pages
 
 
-def make_sides(budget, pd_read_mode="wait", lease_s=600, decode_lease_s=None):
+def make_sides(budget, pd_read_mode="wait", lease_s=600, decode_lease_s=None, prefill_predictor="previous"):
     """wait: the decode node's outputs equal the prefill node decoding the request itself."""
-    pf, dc = engine(budget=budget), engine(budget=budget, pd_read_mode=pd_read_mode)
+    pf, dc = engine(budget=budget, predictor=prefill_predictor), engine(budget=budget, pd_read_mode=pd_read_mode)
     ps = PrefillSide(pf, lease_s=lease_s)
     dpool = pool_of(dc)
     ds = DecodeSide(dc, dpool, read_timeout_s=5, lease_s=decode_lease_s or lease_s)
@@ -133,6 +133,171 @@ def test_decode_node_holds_only_the_blocks_it_read_or_decoded(seed):
     finally:
         ds.close()
         ps.close()
+
+
+def carry_first_step(ps, pf, dpool, rt_p, prompt, src, dst, torn=False):
+    """The prefill node writes its plan right before the request's send
+    (``sglang_hooks.send_kv_chunk_hook``), and SGLang's transfer carries both copies of the
+    ``pd_first_step`` region page by page (``torn``: the second copy arrives stale)."""
+    P = pf.host.num_pages
+    ppool = types.SimpleNamespace(pd_first_step=[torch.zeros((P, len(pf.sparse_layers) * H), dtype=torch.int16)
+                                                 for _ in range(2)])
+    n = ps.prepare_send(ppool, 1, rt_p[1], prompt)
+    for i, (a, b) in enumerate(zip(ppool.pd_first_step, dpool.pd_first_step)):
+        b[dst] = 0 if torn and i else a[src]
+    return n
+
+
+@pytest.mark.parametrize("prompt", [61, 64])          # 64: the first step's new token opens a block
+def test_the_first_step_planned_on_the_prefill_node_crosses_with_the_transfer(seed, prompt):
+    """The prefill node's plan for the first decode step (last prompt token's query) arrives as
+    per-block slot masks; admission reads its blocks in one NIXL READ across layers and installs
+    them slot by slot, so the first step is a predicted one (no synchronous selection) and every
+    step's output is bitwise what the prefill node computes decoding the request itself."""
+    pf, dc, ps, ds, dpool = make_sides(24)
+    try:
+        steps = 12
+        K, V, Q, rt_p, rt_d, npg, src, dst = transferred(pf, dc, dpool, prompt, steps)
+        plan = pf.ws.ids[:, 1].clone()
+        in_prompt = int(((plan >= 0) & (plan < npg)).sum())
+        assert carry_first_step(ps, pf, dpool, rt_p, prompt, src, dst) == in_prompt > 0
+        assert ps.first_steps_sent == 1
+        ds.admit(2, rt_d[2], prompt, "prefill-host", 1, 9, "req-9")
+        assert all(not bool(t.any()) for t in dpool.pd_first_step)      # cleared once read
+        assert torch.equal(dc.ws.ids[:, 2], plan)                     # slot by slot, the new token's block too
+        assert bool((plan == npg).any()) == (prompt % BS == 0)
+        assert ds.first_steps_planned == 1 and ds.remote.first_step_pieces == in_prompt
+        assert ds.fetcher.stats.transfers == 1                        # one READ for every layer's pieces
+        assert ds.remote.first_step_bytes == in_prompt * 2 * BS * D * 4 == ds.remote.bytes_read
+        for t in range(prompt, prompt + steps):
+            assert torch.equal(decode(dc, 2, rt_d, K, V, Q, t), decode(pf, 1, rt_p, K, V, Q, t)), t - prompt
+        assert dc.stats.sync_steps == 0 and not ds.remote.lost
+    finally:
+        ds.close()
+        ps.close()
+
+
+@pytest.mark.parametrize("case", ["torn", "current"])
+def test_without_a_usable_plan_the_first_step_selects_on_the_decode_node(seed, case):
+    """A torn mask (its two copies differ) or a prefill node that planned nothing (predictor
+    ``current``): nothing is installed or read at admission, the first step selects
+    synchronously, and outputs still equal the prefill node decoding the request from an
+    empty row."""
+    pf, dc, ps, ds, dpool = make_sides(24, prefill_predictor="previous" if case == "torn" else "current")
+    try:
+        prompt, steps = 61, 6
+        K, V, Q, rt_p, rt_d, npg, src, dst = transferred(pf, dc, dpool, prompt, steps)
+        marked = carry_first_step(ps, pf, dpool, rt_p, prompt, src, dst, torn=case == "torn")
+        assert (marked > 0) == (case == "torn") and ps.first_steps_sent == (case == "torn")
+        ds.admit(2, rt_d[2], prompt, "prefill-host", 1, 4, "req-4")
+        assert all(not bool(t.any()) for t in dpool.pd_first_step)
+        assert not bool((dc.ws.ids[:, 2] >= 0).any()) and ds.first_steps_planned == 0
+        assert ds.remote.first_step_pieces == 0 and ds.remote.bytes_read == 0
+        ref = engine(budget=24)                  # the decode node's predictor, from an empty row
+        prefill(ref, 1, rt_p, K, V, Q, prompt)
+        ref.reset_rows([1])
+        for t in range(prompt, prompt + steps):
+            torch.testing.assert_close(decode(dc, 2, rt_d, K, V, Q, t), decode(ref, 1, rt_p, K, V, Q, t),
+                                       rtol=1e-5, atol=1e-5, msg=f"step {t - prompt}")
+        assert dc.stats.sync_steps >= 1
+    finally:
+        ds.close()
+        ps.close()
+
+
+def test_fp32_summaries_cross_in_bf16_rounded_outward(seed):
+    """Summaries wider than 16 bits cross in the pools' bf16 staging buffers (``pd_summaries``):
+    filled by the prefill node right before the send, rounded outward, and read back into the
+    decode node's summaries at admission, where they still bound every key of each block (the
+    Quest score stays an upper bound) and are exactly the prefill node's rounded outward."""
+    from oasis_sglang.disagg.admission import round_outward
+
+    pf, dc, ps, ds, dpool = make_sides(24)
+    try:
+        prompt, steps = 61, 4
+        K, V, Q, rt_p, rt_d = prefilled(pf, prompt, steps)
+        npg = -(-prompt // BS)
+        src = torch.div(rt_p[1, :npg * BS:BS].long(), BS, rounding_mode="floor")
+        dst = torch.div(rt_d[2, :npg * BS:BS].long(), BS, rounding_mode="floor")
+        L, P = len(pf.sparse_layers), pf.host.num_pages
+        staging = lambda: tuple([torch.zeros((P, H, D), dtype=torch.bfloat16) for _ in range(L)]  # noqa: E731
+                                for _ in range(2))
+        ppool = types.SimpleNamespace(pd_summaries=staging(), pd_first_step=[
+            torch.zeros((P, L * H), dtype=torch.int16) for _ in range(2)])
+        dpool.pd_summaries = staging()
+        assert ps.prepare_send(ppool, 1, rt_p[1], prompt) > 0
+        for a, b in zip(ppool.pd_summaries + tuple([t] for t in ppool.pd_first_step),
+                        dpool.pd_summaries + tuple([t] for t in dpool.pd_first_step)):
+            for x, y in zip(a, b):                      # SGLang's transfer, page by page
+                y[dst] = x[src]
+        for t in dpool.pd_page_ids:
+            t[dst] = src
+        ds.admit(2, rt_d[2], prompt, "prefill-host", 1, 6, "req-6")
+        for li in range(L):
+            kmin, kmax = pf.summaries.kmin[li][src], pf.summaries.kmax[li][src]
+            lo, hi = dc.summaries.kmin[li][dst], dc.summaries.kmax[li][dst]
+            assert lo.dtype == torch.float32 and bool((lo <= kmin).all()) and bool((hi >= kmax).all())
+            want_lo, want_hi = round_outward(kmin, kmax, torch.bfloat16)
+            assert torch.equal(lo, want_lo.float()) and torch.equal(hi, want_hi.float())
+            assert not torch.equal(lo, kmin)            # they did cross in bf16
+        assert torch.equal(dc.ws.ids[:, 2], pf.ws.ids[:, 1]) and ds.first_steps_planned == 1
+        for t in range(prompt, prompt + steps):
+            assert bool(torch.isfinite(decode(dc, 2, rt_d, K, V, Q, t)).all())
+        assert dc.stats.sync_steps == 0
+    finally:
+        ds.close()
+        ps.close()
+
+
+def test_an_oasis_prefill_node_sends_a_request_in_one_piece_with_its_plan(seed):
+    """``should_send_kv_chunk_hook`` holds back every send but the last chunk's on an OasisKV
+    prefill node only; ``send_kv_chunk_hook`` fills the plan before the last send, not before
+    the others."""
+    from oasis_sglang.disagg.sglang_hooks import send_kv_chunk_hook, should_send_kv_chunk_hook
+
+    pf, dc, ps, ds, dpool = make_sides(24)
+    try:
+        prompt = 61
+        K, V, Q, rt_p, rt_d = prefilled(pf, prompt, 1)
+        P, L = pf.host.num_pages, len(pf.sparse_layers)
+        ppool = types.SimpleNamespace(pd_first_step=[torch.zeros((P, L * H), dtype=torch.int16) for _ in range(2)])
+        sched = types.SimpleNamespace(req_to_token_pool=types.SimpleNamespace(req_to_token=rt_p),
+                                      token_to_kv_pool_allocator=types.SimpleNamespace(get_kvcache=lambda: ppool))
+        req = types.SimpleNamespace(req_pool_idx=1, origin_input_ids=list(range(prompt)), rid="r")
+        sent = []
+        send = lambda self, r, last_chunk=False, end_idx=None: sent.append((last_chunk, end_idx))  # noqa: E731
+        set_side(None)
+        assert should_send_kv_chunk_hook(True, None, 3, False) is True          # not OasisKV PD: SGLang's rule
+        set_side(ps)
+        assert should_send_kv_chunk_hook(True, None, 3, False) is False
+        assert should_send_kv_chunk_hook(True, None, 3, last_chunk=True) is True
+        assert should_send_kv_chunk_hook(False, None, 0, True) is False         # SGLang's own "no" stands
+        send_kv_chunk_hook(send, sched, req, last_chunk=False, end_idx=16)
+        assert sent == [(False, 16)] and not bool(ppool.pd_first_step[0].any())
+        send_kv_chunk_hook(send, sched, req, True)
+        assert sent[-1] == (True, None) and ps.first_steps_sent == 1
+        pages = torch.div(rt_p[1, :prompt:BS].long(), BS, rounding_mode="floor")
+        assert torch.equal(ppool.pd_first_step[0], ppool.pd_first_step[1])
+        assert bool((ppool.pd_first_step[0][pages] > 0).any(0).all())      # every (layer, KV head) planned
+    finally:
+        set_side(None)
+        ds.close()
+        ps.close()
+
+
+def test_plan_from_mask_puts_blocks_in_their_slots_and_refuses_what_is_no_plan():
+    from oasis_sglang.disagg.admission import plan_from_mask
+
+    m = torch.tensor([[[2, 0, 1]], [[0, 3, 0]]], dtype=torch.int16)        # [L=2, H=1, N=3]: slot + 1
+    assert plan_from_mask(m, 10, 4, 4).tolist() == [[[2, 0, -1, -1]], [[-1, -1, 1, -1]]]
+    # 12 tokens in 3 full blocks: the new token's block 3 goes to the first free slot
+    assert plan_from_mask(m, 12, 4, 4).tolist() == [[[2, 0, 3, -1]], [[3, -1, 1, -1]]]
+    assert plan_from_mask(m, 12, 4, 3).tolist() == [[[2, 0, 3]], [[3, -1, 1]]]
+    assert plan_from_mask(m, 10, 4, 2) is None                          # slot 3 past K = 2
+    assert plan_from_mask(torch.tensor([[[1, 2]], [[2, 1]]]), 8, 4, 2) is None   # no slot for block 2
+    assert plan_from_mask(torch.tensor([[[1, 1, 0]], [[1, 0, 0]]]), 10, 4, 4) is None   # slot 0 held twice
+    assert plan_from_mask(torch.tensor([[[1, 0, 0]], [[0, 0, 0]]]), 10, 4, 4) is None   # layer 1: nothing
+    assert plan_from_mask(torch.zeros((2, 1, 0), dtype=torch.int16), 0, 4, 4) is None
 
 
 def test_release_never_gives_back_another_requests_blocks_and_rejects_masks(sides):

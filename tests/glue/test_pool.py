@@ -99,21 +99,35 @@ def test_layouts_oasis_cannot_serve_are_refused(monkeypatch):
         _pool(attach=False)
 
 
-def test_pd_transfer_regions_are_dense_kv_summaries_and_page_numbers():
+def test_pd_transfer_regions_are_dense_kv_summaries_page_numbers_and_first_step_masks():
     """``get_contiguous_buf_infos`` (SGLang's PD transfer registers these and sends them page by
-    page): K half = dense K, min summaries, page numbers; V half = dense V, max summaries, page
-    numbers; every region has the same pages, the sparse placeholders are not advertised."""
+    page): K half = dense K, min summaries, page numbers, first-step mask; V half = dense V, max
+    summaries, page numbers, first-step mask; every region has the same pages, the sparse
+    placeholders are not advertised. The fp32 summaries cross in bf16 staging buffers; bf16
+    summaries are sent as they are."""
     pool = _pool()
     eng = pool.oasis
     P = (SIZE + BS) // BS
     ptrs, lens, items = pool.get_contiguous_buf_infos()
-    k_half = [pool.k_buffer[0]] + eng.summaries.kmin + [pool.pd_page_ids[0]]
-    v_half = [pool.v_buffer[0]] + eng.summaries.kmax + [pool.pd_page_ids[1]]
+    smin, smax = pool.pd_summaries
+    assert [t.shape for t in smin + smax] == [t.shape for t in eng.summaries.kmin + eng.summaries.kmax]
+    assert all(t.dtype == torch.bfloat16 for t in smin + smax)
+    k_half = [pool.k_buffer[0]] + smin + [pool.pd_page_ids[0], pool.pd_first_step[0]]
+    v_half = [pool.v_buffer[0]] + smax + [pool.pd_page_ids[1], pool.pd_first_step[1]]
     assert ptrs == [t.data_ptr() for t in k_half + v_half]
     assert lens == [t.numel() * t.element_size() for t in k_half + v_half]
-    assert items == [BS * H * D * 4, H * D * 4, H * D * 4, 8] * 2
-    assert [n // i for n, i in zip(lens, items)] == [P] * 8
+    assert items == [BS * H * D * 4, H * D * 2, H * D * 2, 8, 2 * len(eng.sparse_layers) * H] * 2
+    assert [n // i for n, i in zip(lens, items)] == [P] * 10
     assert torch.equal(pool.pd_page_ids[0], torch.arange(P)) and torch.equal(pool.pd_page_ids[1], torch.arange(P))
+    assert all(not bool(t.any()) and t.dtype == torch.int16 for t in pool.pd_first_step)
+    assert pool.pd_page_bytes == sum(items)
     assert all(p not in ptrs for p in (pool.k_buffer[1].data_ptr(), pool.v_buffer[2].data_ptr()))
+    # a bf16 KV cache: the summaries are bf16 already and cross as they are
+    bf = OasisKVPool(size=SIZE, page_size=BS, dtype=torch.bfloat16, head_num=H, head_dim=D, layer_num=L,
+                     device="cpu", enable_memory_saver=False, oasis_cfg=CFG)
+    bf.oasis = OasisSparseKV(CFG, L, bf.size + bf.page_size, 5, H, D, D, torch.bfloat16, "cpu")
+    ptrs = bf.get_contiguous_buf_infos()[0]
+    assert bf.pd_summaries is None
+    assert ptrs[1:3] == [t.data_ptr() for t in bf.oasis.summaries.kmin]
     with pytest.raises(RuntimeError, match="need the OasisKV engine"):
         _pool(attach=False).get_contiguous_buf_infos()
