@@ -137,20 +137,38 @@ def apply_admission(eng: OasisSparseKV, remote: RemoteBlocks, packet: AdmissionP
     remote.admit(pages, peer, packet.src_pages, present)
 
 
-def first_step_mask(eng: OasisSparseKV, row: int, req_to_token_row: torch.Tensor, prompt_len: int) \
-        -> tuple[torch.Tensor, torch.Tensor]:
+TAG_COLS = 4      # int16 columns after the slots: the request's bootstrap room (64 bits)
+
+
+def first_step_width(num_sparse_layers: int, head_num: int) -> int:
+    """Columns of the ``pd_first_step`` region (``sglang_glue/pool.py``): one int16 slot + 1
+    per (sparse layer, KV head), then the room tag (:data:`TAG_COLS`)."""
+    return num_sparse_layers * head_num + TAG_COLS
+
+
+def room_tag(room: int) -> torch.Tensor:
+    """``[TAG_COLS]`` int16: a bootstrap room's 64 bits (the row's owner in ``pd_first_step``)."""
+    r = int(room) & ((1 << 64) - 1)
+    return torch.tensor([r - (1 << 64) if r >= 1 << 63 else r], dtype=torch.int64).view(torch.int16)
+
+
+def first_step_mask(eng: OasisSparseKV, row: int, req_to_token_row: torch.Tensor, prompt_len: int,
+                    room: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """The first decode step's working set that prefill planned for request row ``row``, as one
     mask row per prompt block: what SGLang's page-by-page transfer carries to the decode node
     (``sglang_glue/pool.py``, region ``pd_first_step``; paper: PD admission sends the first
     step's working set, selected on the prefill node with the last prompt token's query).
 
     Returns:
-        ``(pages [N] int64, mask [N, L * H] int16)``: the request's host pages (block by block)
-        and, per block, at column ``li * H + h`` the working-set slot + 1 that holds the block
-        in sparse layer ``li``, KV head ``h`` (0: not held). All zero when the engine planned
-        nothing (predictor ``current``, or a benchmark without prefetch): the decode node then
-        selects the first step itself. The next token's block (``prompt_len // bs == N``) is
-        not a prompt block and is not in the mask (``plan_from_mask`` puts it back).
+        ``(pages [N] int64, mask [N, L * H + TAG_COLS] int16)``: the request's host pages (block
+        by block) and, per block, at column ``li * H + h`` the working-set slot + 1 that holds
+        the block in sparse layer ``li``, KV head ``h`` (0: not held), then ``room_tag(room)``:
+        a page shared with another request (a cached prefix) carries the plan of the request
+        sent last, and the tag tells the decode node whose it is. The slots are all zero when
+        the engine planned nothing (predictor ``current``, or a benchmark without prefetch):
+        the decode node then selects the first step itself. The next token's block
+        (``prompt_len // bs == N``) is not a prompt block and is not in the mask
+        (``plan_from_mask`` puts it back).
     Raises:
         ValueError: a bad row or prompt length, or more than 32767 working-set slots.
     """
@@ -161,11 +179,11 @@ def first_step_mask(eng: OasisSparseKV, row: int, req_to_token_row: torch.Tensor
         raise ValueError(f"first_step_mask: {eng.ws.K} working-set slots do not fit the int16 mask")
     pages = request_pages(req_to_token_row, prompt_len, eng.bs)
     L, H, N = len(eng.sparse_layers), eng.head_num, pages.numel()
-    mask = torch.zeros((N, L * H), dtype=torch.int16)
+    mask = torch.zeros((N, first_step_width(L, H)), dtype=torch.int16)
+    mask[:, L * H:] = room_tag(room)
     if not eng.predictor.asynchronous or eng.bench.skip_prefetch:
         return pages, mask
-    eng.pipe.drain()              # the prefetch streams may still write the working set
-    ids = eng.ws.ids[:, row].to("cpu")                                  # [L, H, K]
+    ids = eng.planned_working_set(row)                                   # [L, H, K]
     li, h, k = torch.nonzero((ids >= 0) & (ids < N), as_tuple=True)
     mask[ids[li, h, k], li * H + h] = (k + 1).to(torch.int16)
     return pages, mask
@@ -175,26 +193,34 @@ def plan_from_mask(mask: torch.Tensor, prompt_len: int, block_size: int, num_slo
     """The decode node's side of :func:`first_step_mask`: the first step's working set ids.
 
     Args:
-        mask: ``[L, H, N]`` integer, the received mask of the request's ``N`` prompt blocks
-            (slot + 1 per block, 0: not held).
+        mask: ``[L, H, N]`` integer, the received slots of the request's ``N`` prompt blocks
+            (slot + 1 per block, 0: not held; the tag columns already checked and dropped).
         prompt_len: prompt tokens (the first step's context is ``prompt_len + 1``).
         block_size: tokens per block. num_slots: ``K``, working-set slots per (layer, KV head).
     Returns:
-        ``[L, H, K]`` int64 block numbers by slot, ``-1`` empty: the prefill node's slots, and
+        ``[L, H, K]`` int64 block numbers by slot, ``-1`` empty: the prefill node's slots (in
+        their order, packed into the first slots when some lie past this node's ``K``), and
         when the new token opens a block of its own (``prompt_len % block_size == 0``) that
         block in the first slot left free (where the prefill node's plan put it when the row
         was empty, as it is for a prompt prefilled in one chunk). ``None`` when the mask is no
-        plan: a (layer, KV head) without a block, a slot past ``K`` or held twice, no slot
-        left for the new token's block (prefill planned nothing, a node with a larger budget,
-        or two requests sharing cached prefix pages whose masks crossed in flight). The caller
-        then lets the first step select for itself.
+        plan: a slot value out of range or held twice, more blocks than ``K``, or a (layer,
+        KV head) without a prompt block (prefill planned nothing) or without the block the
+        first step's new token goes into (the step writes the
+        token's K/V into that block's slot, so it must be resident). The caller then lets the
+        first step select for itself.
     """
     L, H, N = mask.shape
+    nxt = prompt_len // block_size
     m = mask.to(torch.int64)
     held = m > 0
-    need_next = prompt_len // block_size >= N                # the new token opens a block of its own
-    if N == 0 or not bool(held.any(-1).all()) or int(m.max()) > num_slots:
+    need_next = nxt >= N                                     # the new token opens a block of its own
+    if N == 0 or bool((m < 0).any()) or not bool(held.any(-1).all()) \
+            or int(held.sum(-1).max()) + int(need_next) > num_slots:
         return None
+    if int(m.max()) > num_slots:                             # a larger budget there: pack in slot order
+        order = torch.sort(torch.where(held, m, torch.iinfo(torch.int64).max), dim=-1, stable=True)
+        rank = torch.empty_like(order.indices).scatter_(-1, order.indices, torch.arange(N).expand(L, H, N))
+        m = torch.where(held, rank + 1, 0)
     ids = torch.full((L, H, num_slots + 1), -1, dtype=torch.int64)
     blocks = torch.arange(N, dtype=torch.int64).expand(L, H, N)
     ids.scatter_(-1, torch.where(held, m - 1, num_slots), torch.where(held, blocks, -1))
@@ -203,9 +229,9 @@ def plan_from_mask(mask: torch.Tensor, prompt_len: int, block_size: int, num_slo
         return None
     if need_next:
         free = ids < 0
-        if not bool(free.any(-1).all()):
-            return None
-        ids.scatter_(-1, free.to(torch.int8).argmax(-1, keepdim=True), prompt_len // block_size)
+        ids.scatter_(-1, free.to(torch.int8).argmax(-1, keepdim=True), nxt)
+    if not bool((ids == nxt).any(-1).all()):
+        return None
     return ids
 
 

@@ -22,11 +22,15 @@ Rules (stated, tested in tests/e2e/test_e2e_pd_oasis.py):
   planned blocks (one NIXL READ per prefill node for every request admitted in that scheduler
   iteration, all layers; the scheduler waits for it between batches) and installs them slot by
   slot (``DecodeSide.install_first_steps``), so the first step is a predicted step (in CUDA
-  graphs where the predictor's are). Without a usable plan (``current`` on the prefill node, the
-  mask's two copies differ, a slot past this node's budget or held twice: two requests sharing
-  cached prefix pages whose sends crossed) the row starts empty and the first step selects
-  synchronously with its own query and reads its blocks before attending, as does every step
-  with ``current`` on the decode node.
+  graphs where the predictor's are). Each mask row carries the request's bootstrap room: a
+  cached prefix page shared with a request sent later carries that request's plan, and the
+  earlier request then does without (the later send wins). Without a usable plan (``current``
+  on the prefill node; the two copies differ; another request's tag; a slot out of range or
+  held twice; a (layer, KV head) without a prompt block or without the block the new token
+  goes into; more blocks than this node's budget: a smaller budget packs the slots in their
+  order) the row starts empty and the first step selects synchronously with its own query and
+  reads its blocks before attending, as does every step with ``current`` on the decode node;
+  the ``admitted request`` line says why (``first_steps_rejected`` counts them).
 - A block not here yet: a predicted step leaves it out and keeps its resident set
   (``pd_read_mode: deferred``, below); a synchronous step, and every step with ``wait`` or
   ``predictor: current``, waits for its READ (deadline ``pd_read_timeout_s``). A READ
@@ -83,6 +87,7 @@ SGLang importers).
 from __future__ import annotations
 
 import base64
+import contextlib
 import logging
 import threading
 import time
@@ -93,7 +98,7 @@ import torch
 
 from ..core import host_tier
 from ..core.remote import RemoteBlocks
-from .admission import first_step_mask, plan_from_mask, request_pages, round_outward
+from .admission import TAG_COLS, first_step_mask, first_step_width, plan_from_mask, request_pages, room_tag, round_outward
 from .transport import NixlTier, PeerLostError, RemoteBlockFetcher, TierLayout
 
 logger = logging.getLogger(__name__)
@@ -177,7 +182,7 @@ class PrefillSide:
         self.released = self.expired = 0
         self.first_steps_sent = 0        # requests sent with a first-step working set planned here
 
-    def prepare_send(self, pool, row: int, req_to_token_row: torch.Tensor, prompt_len: int) -> int:
+    def prepare_send(self, pool, row: int, req_to_token_row: torch.Tensor, prompt_len: int, room: int = 0) -> int:
         """Right before a request's send (its last chunk; the chunks before it are held back by
         ``sglang_hooks.should_send_kv_chunk_hook``), fill what that send carries besides SGLang's
         own data, at the request's pages:
@@ -186,15 +191,20 @@ class PrefillSide:
           min / max key summaries rounded outward (``admission.round_outward``: min down, max up,
           so the Quest bound still holds for every key of a block);
         - both copies of ``pd_first_step``: the first decode step's working set this node
-          planned for it (``admission.first_step_mask``); a failure there only costs the plan
-          (logged; the decode node then selects the first step itself).
+          planned for it (``admission.first_step_mask``), tagged with its bootstrap ``room``; a
+          failure there only costs the plan (logged; the decode node then selects the first
+          step itself).
+
+        On CUDA the writes run on a side stream the host then waits for (NIXL's thread reads the
+        regions next), so the host never waits for work SGLang queued after this batch.
 
         Args:
             pool: the ``OasisKVPool`` (no regions yet: nothing is written). row: the request's row.
             req_to_token_row: its ``[max_len]`` token slots. prompt_len: tokens sent.
+            room: its bootstrap room (the tag its decode node checks).
         Returns: the (block, sparse layer, KV head) entries of the plan (0: none planned).
         Raises:
-            ValueError: a bad row or length.
+            ValueError: a bad length.
         """
         eng = self.engine
         if not 0 < prompt_len <= req_to_token_row.numel():
@@ -202,29 +212,36 @@ class PrefillSide:
                              f"1..{req_to_token_row.numel()}")
         pages = request_pages(req_to_token_row, prompt_len, eng.bs)
         staged = getattr(pool, "pd_summaries", None)
-        if staged is not None:
-            pd = pages.to(eng.device)
-            for li in range(len(eng.sparse_layers)):
-                lo, hi = round_outward(eng.summaries.kmin[li][pd], eng.summaries.kmax[li][pd], staged[0][li].dtype)
-                staged[0][li][pd.to(staged[0][li].device)] = lo.to(staged[0][li].device)
-                staged[1][li][pd.to(staged[1][li].device)] = hi.to(staged[1][li].device)
         regions = getattr(pool, "pd_first_step", None)
-        n = 0
+        mask = None
         if regions is not None:
             try:
-                pages, mask = first_step_mask(eng, row, req_to_token_row, prompt_len)
+                pages, mask = first_step_mask(eng, row, req_to_token_row, prompt_len, room)
             except Exception as e:  # noqa: BLE001 - the request is still sent, without a plan
                 logger.warning("OasisKV PD: the first decode step of row %s was not planned for its decode node: %s",
                                row, e)
-                mask = torch.zeros((pages.numel(), regions[0].shape[1]), dtype=regions[0].dtype)
-            dev = regions[0].device
-            pd, m = pages.to(dev), mask.to(dev, regions[0].dtype)
-            for t in regions:
-                t[pd] = m
-            n = int((mask > 0).sum())
-            self.first_steps_sent += bool(n)
-        if eng.device.type == "cuda":
-            torch.cuda.current_stream(eng.device).synchronize()     # NIXL's thread reads the regions next
+                L = len(eng.sparse_layers)
+                mask = torch.zeros((pages.numel(), first_step_width(L, eng.head_num)), dtype=torch.int16)
+                mask[:, L * eng.head_num:] = room_tag(room)
+        cuda = eng.device.type == "cuda"
+        side = torch.cuda.Stream(eng.device) if cuda else None
+        with torch.cuda.stream(side) if cuda else contextlib.nullcontext():
+            if staged is not None:
+                pd = pages.to(eng.device)
+                for li in range(len(eng.sparse_layers)):
+                    lo, hi = round_outward(eng.summaries.kmin[li][pd], eng.summaries.kmax[li][pd],
+                                           staged[0][li].dtype)
+                    staged[0][li][pd.to(staged[0][li].device)] = lo.to(staged[0][li].device)
+                    staged[1][li][pd.to(staged[1][li].device)] = hi.to(staged[1][li].device)
+            if mask is not None:
+                dev = regions[0].device
+                pd, m = pages.to(dev), mask.to(dev, regions[0].dtype)
+                for t in regions:
+                    t[pd] = m
+        if cuda:
+            side.synchronize()
+        n = 0 if mask is None else int((mask[:, :-TAG_COLS] > 0).sum())
+        self.first_steps_sent += bool(n)
         return n
 
     def layout_b64(self) -> str:
@@ -325,6 +342,22 @@ class Admitted:
     retry: bool = False
 
 
+@dataclass
+class _FirstStep:
+    """An admitted request's first step, between :meth:`DecodeSide.admit` and its log line:
+    ``ids [L, H, K]`` the plan (``None``: none to read), ``pages [N]`` its host pages, ``sent`` /
+    ``full`` bytes of its SGLang transfer and of a full one, ``why`` a plan was not used."""
+    row: int
+    ids: torch.Tensor | None
+    pages: torch.Tensor
+    prompt_len: int
+    peer: str
+    rid: str
+    sent: int
+    full: int
+    why: str | None = None
+
+
 class DecodeSide:
     """Decode node: this host tier registered with NIXL (the READs' destination), the peers'
     layouts, and which request rows were admitted from which peer.
@@ -362,11 +395,12 @@ class DecodeSide:
         # the prefill node's page of each block arrives here with SGLang's transfer; -1: none yet
         pool.pd_page_ids = [torch.full((P,), -1, dtype=torch.int64, device=pool.device) for _ in range(2)]
         # the first step's working set the prefill node planned, per block (admission.first_step_mask)
-        pool.pd_first_step = [torch.zeros((P, len(engine.sparse_layers) * engine.head_num), dtype=torch.int16,
-                                          device=pool.device) for _ in range(2)]
+        pool.pd_first_step = [torch.zeros((P, first_step_width(len(engine.sparse_layers), engine.head_num)),
+                                          dtype=torch.int16, device=pool.device) for _ in range(2)]
         # admitted rows whose planned first step is still to be read and installed
-        self._first: list[tuple[int, torch.Tensor, torch.Tensor, int, str]] = []
+        self._first: list[_FirstStep] = []
         self.first_steps_planned = 0     # requests whose first step used the prefill node's plan
+        self.first_steps_rejected = 0    # requests whose plan arrived but was not usable here
         self.peers: dict[tuple[str, int], str] = {}          # (bootstrap host, port) -> agent
         self.rows: dict[int, Admitted] = {}
         self.aborted = 0
@@ -617,16 +651,13 @@ class DecodeSide:
         # by stream work) it would wipe
         for t in self.pool.pd_page_ids:
             t.index_fill_(0, pd, -1)
-        first = None
+        first, why = None, None
         regions = getattr(self.pool, "pd_first_step", None)
         if regions is not None:
             m0, m1 = (t[pd].to("cpu") for t in regions)
             for t in regions:
                 t.index_fill_(0, pd, 0)
-            eng = self.engine
-            if eng.predictor.asynchronous and torch.equal(m0, m1) and m0.shape[-1] == len(eng.sparse_layers) * eng.head_num:
-                mask = m0.view(pages.numel(), len(eng.sparse_layers), eng.head_num).permute(1, 2, 0)
-                first = plan_from_mask(mask, prompt_len, eng.bs, eng.ws.K)
+            first, why = self._first_step_plan(m0, m1, prompt_len, room)
         if bool((src < 0).any()) or not torch.equal(src, src2):
             raise ValueError("OasisKV PD: the transfer did not carry the prefill node's page numbers (is the prefill "
                              "node running --kv-sparse oasis with the same block_size and dense_layers?)")
@@ -641,8 +672,6 @@ class DecodeSide:
                 sm.kmin[li][pages.to(sm.kmin[li].device)] = staged[0][li][pd].to(sm.kmin[li].device, sm.kmin[li].dtype)
                 sm.kmax[li][pages.to(sm.kmax[li].device)] = staged[1][li][pd].to(sm.kmax[li].device, sm.kmax[li].dtype)
         self.remote.admit(pages, peer, src)
-        if first is not None:
-            self._first.append((int(row), first, pages, prompt_len + 1, peer))
         now = lease_clock()
         adm = Admitted(pages, peer, int(room), rid, int(src[-1]), now,
                        min(self.lease_s, self.peer_lease.get(peer, self.lease_s)))
@@ -656,24 +685,63 @@ class DecodeSide:
         self._wake.set()               # the thread's tick follows the shortest lease held
         n = pages.numel()
         draft = self.draft_page_bytes or 0
-        # the planned first step's blocks cross at admission too (read below: install_first_steps)
-        first_bytes = 0 if first is None else int(((first >= 0) & (first < n)).sum()) * self.engine.block_bytes
-        sent = n * (getattr(self.pool, "pd_page_bytes", 0) + draft) + first_bytes
+        sent = n * (getattr(self.pool, "pd_page_bytes", 0) + draft)
         full = n * (getattr(self.pool, "pd_full_page_bytes", 0) + draft)
         self.admission_bytes += sent
         self.full_transfer_bytes += full
-        if sent:
-            mib = 2 ** 20
-            how = (f"its {int((first >= 0).sum())} blocks planned on the prefill node ({first_bytes / mib:.2f} "
-                   "MiB, read at admission)" if first is not None else "selected here (read on demand)")
-            logger.info("OasisKV PD: admitted request %s from %s: %d prompt tokens, %.2f MiB at admission (dense "
-                        "layers, summaries, page numbers, first-step masks%s%s) vs %.2f MiB for a full transfer "
-                        "(%.2fx less); first step's working set: %s; read on demand so far: %.2f MiB in %d NIXL "
-                        "reads", rid, peer, prompt_len, sent / mib, ", draft model's KV" if draft else "",
-                        ", first step's blocks" if first is not None else "", full / mib, full / sent, how,
-                        *self._on_demand())
+        pending = _FirstStep(int(row), first, pages, prompt_len, peer, rid, sent, full, why)
+        if first is not None:
+            self._first.append(pending)         # logged once its blocks are read (install_first_steps)
+        else:
+            self._log_admitted(pending, 0)
         if install:
             self.install_first_steps()
+
+    def _first_step_plan(self, m0: torch.Tensor, m1: torch.Tensor, prompt_len: int, room: int):
+        """The first step's working set from the two received copies of a request's
+        ``pd_first_step`` rows (``[N, width]`` int16 each): ``(ids [L, H, K] or None, why not)``;
+        ``why`` is ``None`` when there was nothing to use (the prefill node planned nothing, or
+        this node's predictor selects every step itself)."""
+        eng = self.engine
+        L, H = len(eng.sparse_layers), eng.head_num
+        if not eng.predictor.asynchronous:
+            return None, None
+        if m0.shape[-1] != first_step_width(L, H):
+            return None, f"its mask has {m0.shape[-1]} columns, this node {first_step_width(L, H)}"
+        slots = m0[:, :L * H]
+        if not bool(slots.any()) and not bool(m1[:, :L * H].any()):
+            return None, None                    # nothing planned (or nothing of OasisKV's sent)
+        if not torch.equal(m0, m1):
+            return None, "the mask's two copies differ"
+        if not bool((m0[:, L * H:] == room_tag(room)).all()):
+            return None, "another request's plan on a shared page (a cached prefix sent meanwhile)"
+        ids = plan_from_mask(slots.view(-1, L, H).permute(1, 2, 0), prompt_len, eng.bs, eng.ws.K)
+        return ids, (None if ids is not None else "not a plan this node can use (slots, budget or the new "
+                     "token's block)")
+
+    def _log_admitted(self, p: "_FirstStep", first_bytes: int) -> None:
+        """The ``admitted request`` log line; ``first_bytes``: the planned first step's blocks
+        read at admission (they cross then too)."""
+        sent = p.sent + first_bytes
+        self.admission_bytes += first_bytes
+        self.first_steps_rejected += bool(p.why)
+        if not sent:
+            return
+        mib = 2 ** 20
+        draft = bool(self.draft_page_bytes)
+        if first_bytes:
+            how = (f"its {int((p.ids >= 0).sum())} blocks planned on the prefill node ({first_bytes / mib:.2f} MiB "
+                   "read at admission)")
+        elif p.why:
+            how = f"selected here (the prefill node's plan not used: {p.why})"
+        else:
+            how = "selected here (read on demand)"
+        logger.info("OasisKV PD: admitted request %s from %s: %d prompt tokens, %.2f MiB at admission (dense "
+                    "layers, summaries, page numbers, first-step masks%s%s) vs %.2f MiB for a full transfer "
+                    "(%.2fx less); first step's working set: %s; read on demand so far: %.2f MiB in %d NIXL "
+                    "reads", p.rid, p.peer, p.prompt_len, sent / mib, ", draft model's KV" if draft else "",
+                    ", first step's blocks" if first_bytes else "", p.full / mib, p.full / sent, how,
+                    *self._on_demand())
 
     def _on_demand(self) -> tuple[float, int]:
         """MiB and NIXL reads from prefill nodes so far, the planned first steps' reads at
@@ -685,33 +753,36 @@ class DecodeSide:
         """Read the planned first-step working sets of the rows admitted since the last call
         (one NIXL READ per peer with every request's pieces, all layers: ``RemoteBlocks.read_now``;
         the scheduler waits for it between batches, as a synchronous first step would inside
-        its forward) and install them (``OasisSparseKV.install_working_set_from_host``). A row
-        whose peer was lost meanwhile keeps an empty row: its first step selects and the lost
-        peer ends it (:meth:`lost_rows`). Returns bytes read."""
+        its forward) and install them (``OasisSparseKV.install_working_set_from_host``), then log
+        each request's admission. A row whose peer was lost meanwhile keeps an empty row: its
+        first step selects and the lost peer ends it (:meth:`lost_rows`). Returns bytes read."""
         pend, self._first = self._first, []
-        pend = [x for x in pend if x[0] in self.rows and self.rows[x[0]].pages is x[2]]
+        pend = [p for p in pend if p.row in self.rows and self.rows[p.row].pages is p.pages]
         if not pend:
             return 0
         ls, hs, ps = [], [], []
-        for _, ids, pages, _, _ in pend:
-            li, h, k = torch.nonzero((ids >= 0) & (ids < pages.numel()), as_tuple=True)
+        for p in pend:
+            li, h, k = torch.nonzero((p.ids >= 0) & (p.ids < p.pages.numel()), as_tuple=True)
             ls.append(li)
             hs.append(h)
-            ps.append(pages[ids[li, h, k]])
+            ps.append(p.pages[p.ids[li, h, k]])
         n = self.remote.read_now(torch.cat(ls), torch.cat(hs), torch.cat(ps))
-        for row, ids, pages, seq_next, peer in pend:
-            if peer in self.remote.lost:
-                logger.warning("OasisKV PD: the first step of row %d was not read (prefill node %s lost: %s)", row,
-                               peer, self.remote.lost[peer])
+        for p, li in zip(pend, ls):
+            if p.peer in self.remote.lost:
+                p.why = f"its prefill node was lost before the read ({self.remote.lost[p.peer]})"
+                self._log_admitted(p, 0)
                 continue
             try:
-                self.engine.install_working_set_from_host(row, ids, pages, seq_next)
+                self.engine.install_working_set_from_host(p.row, p.ids, p.pages, p.prompt_len + 1)
             except Exception as e:  # noqa: BLE001 - the row then selects its first step itself
-                logger.error("OasisKV PD: installing the first step of row %d failed (%s); it selects its own",
-                             row, e)
-                self.engine.reset_rows([row])
+                logger.error("OasisKV PD: installing the first step of request %s failed (%s); it selects its own",
+                             p.rid, e)
+                self.engine.reset_rows([p.row])
+                p.why = f"installing it failed: {e}"
+                self._log_admitted(p, 0)
                 continue
             self.first_steps_planned += 1
+            self._log_admitted(p, li.numel() * self.engine.block_bytes)
         return n
 
     def held_bytes(self, row: int, pages: torch.Tensor, tokens: int | None = None) -> int:

@@ -106,7 +106,8 @@ def send_kv_chunk_hook(original, self, req, last_chunk: bool = False, *args, **k
     s = side()
     if isinstance(s, PrefillSide) and last_chunk and req.req_pool_idx is not None:
         s.prepare_send(self.token_to_kv_pool_allocator.get_kvcache(), int(req.req_pool_idx),
-                       self.req_to_token_pool.req_to_token[req.req_pool_idx], len(req.origin_input_ids))
+                       self.req_to_token_pool.req_to_token[req.req_pool_idx], len(req.origin_input_ids),
+                       int(req.bootstrap_room or 0))
     return original(self, req, last_chunk, *args, **kwargs)
 
 

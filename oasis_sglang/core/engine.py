@@ -130,6 +130,9 @@ class OasisSparseKV:
         self.last_batch = None             # (rows, seq) of the last step: device tensors, or host lists (replay)
         self.last_step_timed = False       # the last decode step's exposed wait was timed (eager, CUDA)
         self._fwd_stream = None            # stream of the last forward (CUDA), see ``reset_rows``
+        # row -> CUDA event after the last sparse layer's plan of its first decode step
+        # (``extend_attention``; read by ``planned_working_set``)
+        self._plan_done: dict[int, object] = {}
         self._no_tensor = torch.empty(0, dtype=torch.int64)   # the device fields of a replay step (none)
 
     @staticmethod
@@ -314,20 +317,21 @@ class OasisSparseKV:
                              f"{tuple(ids.shape)} (want [{L}, {H}, {K}]), {N} pages in 0..{P - 1}, seq_next {seq_next!r}")
         self.pipe.drain()
         dev = self.device
-        self.ws.ids[:, row] = ids.to(dev)
-        self.ws.last_used[:, row] = torch.where(ids >= 0, self._clock + 1, 0).to(dev)
+        ids_d = to_device(ids, dev)              # (no host wait for the step in flight: devcopy)
+        self.ws.ids[:, row] = ids_d
+        self.ws.last_used[:, row] = torch.where(ids_d >= 0, self._clock + 1, 0)
         hh = torch.arange(H, dtype=torch.int64)[:, None].expand(H, K)
         slot = (row * H + hh) * K + torch.arange(K, dtype=torch.int64)[None, :]          # [H, K]
+        live = (ids >= 0) & (ids < N)                                                     # [L, H, K]
+        dst = to_device(torch.where(live, slot, -1), dev)
+        src = to_device(hh * P + pages[ids.clamp(0, N - 1)], dev)
         D, Dv = self.head_dim, self.v_head_dim
         for li in range(L):
-            b = ids[li]
-            live = (b >= 0) & (b < N)
-            dst = torch.where(live, slot, -1).reshape(-1).to(dev)
-            src = (hh * P + pages[b.clamp(0, N - 1)]).reshape(-1).to(dev)
-            self.ops.copy_blocks(self.ws.k[li].view(-1, bs * D), self.ws.v[li].view(-1, bs * Dv), dst,
-                                 self.host.k[li].view(-1, bs * D), self.host.v[li].view(-1, bs * Dv), src)
+            self.ops.copy_blocks(self.ws.k[li].view(-1, bs * D), self.ws.v[li].view(-1, bs * Dv), dst[li].reshape(-1),
+                                 self.host.k[li].view(-1, bs * D), self.host.v[li].view(-1, bs * Dv),
+                                 src[li].reshape(-1))
         if self.predictor.asynchronous:
-            self.record.mark(torch.tensor([row], device=dev), torch.tensor([seq_next], device=dev))
+            self.record.mark(to_device([row], dev), to_device([seq_next], dev))
             self.record.mirror([row], [seq_next])
         self._prefilled = True
 
@@ -435,7 +439,33 @@ class OasisSparseKV:
                                rtt, -(-max(seq_next_h) // self.bs), self._clock + 1)
             if li == 0:
                 self.record.mirror([rows_c[i] for i in keep], seq_next_h)
+            if li == self.ws.L - 1 and self.pipe.cuda:
+                ev = self.pipe.ready[li]            # after every layer's plan (same streams, in order)
+                for i in keep:
+                    self._plan_done[rows_c[i]] = ev
         return out
+
+    def planned_working_set(self, row: int) -> torch.Tensor:
+        """PD prefill node: the working set ``extend_attention`` planned for request row ``row``'s
+        first decode step, ``[L, H, K]`` int64 block numbers on the CPU (-1 empty).
+
+        On CUDA the host waits for that row's plan only (an event recorded after its last
+        sparse layer's stages), not for the pipeline's streams, where SGLang's overlap scheduler
+        may already have queued the next batch's stages; the ids are read on a side stream.
+        Raises:
+            ValueError: a bad row.
+        """
+        if isinstance(row, bool) or not isinstance(row, int) or not 0 <= row < self.ws.R:
+            raise ValueError(f"planned_working_set: row {row!r} not in 0..{self.ws.R - 1}")
+        if not self.pipe.cuda:
+            return self.ws.ids[:, row].clone()
+        ev = self._plan_done.pop(row, None)
+        side = torch.cuda.Stream(self.device)
+        if ev is not None:
+            side.wait_event(ev)
+        with torch.cuda.stream(side):
+            ids = self.ws.ids[:, row].to("cpu", non_blocking=False)
+        return ids
 
     def read_prefix(self, layer_id_index: int, req_to_token_row: torch.Tensor, n: int,
                     device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:

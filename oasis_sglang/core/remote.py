@@ -236,9 +236,10 @@ class RemoteBlocks:
 
     def read_now(self, layers: torch.Tensor, heads: torch.Tensor, pages: torch.Tensor) -> int:
         """Make pieces ``(layers[i], heads[i], pages[i])`` (``[M]`` int64 each) present and wait:
-        one read per peer holding every layer's pieces (``post`` / ``poll``; without them one
-        ``fetch`` per (layer, peer)). Used at a PD admission for the first step's working set
-        the prefill node planned (``disagg/serving.py DecodeSide.admit``), between batches.
+        one read per peer holding every layer's pieces (``post`` / ``poll``, every peer's read
+        started before any is waited for; without them one ``fetch`` per (layer, peer)). Used at
+        a PD admission for the first step's working set the prefill node planned
+        (``disagg/serving.py DecodeSide.install_first_steps``), between batches.
 
         Pieces already present, not admitted from a peer or of a lost peer are skipped; reads in
         flight are waited for first. A peer whose read fails is marked lost (its pieces stay
@@ -252,18 +253,25 @@ class RemoteBlocks:
             self.wait_reads()
         keep = ~self.present[l, h, p] & (self.peer[p] >= 0)
         l, h, p = l[keep], h[keep], p[keep]
-        n = 0
         owner = self.peer[p]
+        started = []          # every peer's read is started before any is waited for
         for pi in torch.unique(owner).tolist():
             name = self.peer_names[pi]
             if name in self.lost:
                 continue
             sel = owner == pi
             ls, hs, ps = l[sel], h[sel], p[sel]
-            read, nb = None, 0
+            try:
+                read = self.post(name, ls, hs, self.src_page[ps], ps) if self.post is not None else None
+            except Exception as e:  # noqa: BLE001 - any failure of a peer ends its requests, not the step
+                self.lost[name] = f"{type(e).__name__}: {e}"
+                continue
+            started.append((name, ls, hs, ps, read))
+        n = 0
+        for name, ls, hs, ps, read in started:
+            nb = 0
             try:
                 if self.post is not None:
-                    read = self.post(name, ls, hs, self.src_page[ps], ps)
                     if read is not None:
                         while not self.poll(read):
                             time.sleep(0.0002)

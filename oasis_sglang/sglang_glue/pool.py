@@ -80,9 +80,10 @@ class OasisKVPool(MHATokenToKVPool):
         ``int64 [P]`` page-number
         buffer each (``pd_page_ids``; on a prefill node page ``p`` holds ``p``, so a decode
         node receives, at its own pages, the prefill node's page of each block: where to read
-        the blocks' K/V on demand), then one ``int16 [P, sparse * H]`` first-step mask buffer
+        the blocks' K/V on demand), then one ``int16 [P, sparse * H + 4]`` first-step mask buffer
         each (``pd_first_step``: per block, the slot + 1 of each (sparse layer, KV head) working
-        set of the request's first decode step that holds it, as the prefill node planned them with the last
+        set of the request's first decode step that holds it, and the request's bootstrap room
+        as a tag, as the prefill node planned them with the last
         prompt token's query: ``disagg/admission.py first_step_mask``; the prefill node writes
         it right before the request's send, which it makes in one piece). Every region has the
         same ``P = (size + page_size) / page_size`` pages, as SGLang's prepared transfers
@@ -101,8 +102,9 @@ class OasisKVPool(MHATokenToKVPool):
         if getattr(self, "pd_page_ids", None) is None:
             self.pd_page_ids = [torch.arange(P, dtype=torch.int64, device=self.device) for _ in range(2)]
         if getattr(self, "pd_first_step", None) is None:
-            self.pd_first_step = [torch.zeros((P, len(eng.sparse_layers) * eng.head_num), dtype=torch.int16,
-                                              device=self.device) for _ in range(2)]
+            from ..disagg.admission import first_step_width
+            self.pd_first_step = [torch.zeros((P, first_step_width(len(eng.sparse_layers), eng.head_num)),
+                                              dtype=torch.int16, device=self.device) for _ in range(2)]
         smin, smax = eng.summaries.kmin, eng.summaries.kmax
         if smin and smin[0].element_size() > 2:
             if getattr(self, "pd_summaries", None) is None:

@@ -17,6 +17,7 @@ import torch
 pytest.importorskip("nixl")
 
 from oasis_sglang.disagg.serving import Admitted, DecodeSide, PrefillSide, lease_clock, set_side  # noqa: E402
+from oasis_sglang.disagg.admission import first_step_width, plan_from_mask, room_tag  # noqa: E402
 from oasis_sglang.disagg.transport import TierLayout  # noqa: E402
 from test_admission import BS, H, HQ, LAYERS, ROWS, TOKENS, D, decode, engine, locs, prefill, prefilled  # noqa: E402
 
@@ -135,14 +136,18 @@ def test_decode_node_holds_only_the_blocks_it_read_or_decoded(seed):
         ps.close()
 
 
-def carry_first_step(ps, pf, dpool, rt_p, prompt, src, dst, torn=False):
+def first_step_regions(pf):
+    """A pool's two ``pd_first_step`` regions for ``pf``'s host pages."""
+    return [torch.zeros((pf.host.num_pages, first_step_width(len(pf.sparse_layers), H)), dtype=torch.int16)
+            for _ in range(2)]
+
+
+def carry_first_step(ps, pf, dpool, rt_p, prompt, src, dst, room, torn=False):
     """The prefill node writes its plan right before the request's send
     (``sglang_hooks.send_kv_chunk_hook``), and SGLang's transfer carries both copies of the
     ``pd_first_step`` region page by page (``torn``: the second copy arrives stale)."""
-    P = pf.host.num_pages
-    ppool = types.SimpleNamespace(pd_first_step=[torch.zeros((P, len(pf.sparse_layers) * H), dtype=torch.int16)
-                                                 for _ in range(2)])
-    n = ps.prepare_send(ppool, 1, rt_p[1], prompt)
+    ppool = types.SimpleNamespace(pd_first_step=first_step_regions(pf))
+    n = ps.prepare_send(ppool, 1, rt_p[1], prompt, room)
     for i, (a, b) in enumerate(zip(ppool.pd_first_step, dpool.pd_first_step)):
         b[dst] = 0 if torn and i else a[src]
     return n
@@ -160,7 +165,7 @@ def test_the_first_step_planned_on_the_prefill_node_crosses_with_the_transfer(se
         K, V, Q, rt_p, rt_d, npg, src, dst = transferred(pf, dc, dpool, prompt, steps)
         plan = pf.ws.ids[:, 1].clone()
         in_prompt = int(((plan >= 0) & (plan < npg)).sum())
-        assert carry_first_step(ps, pf, dpool, rt_p, prompt, src, dst) == in_prompt > 0
+        assert carry_first_step(ps, pf, dpool, rt_p, prompt, src, dst, room=9) == in_prompt > 0
         assert ps.first_steps_sent == 1
         ds.admit(2, rt_d[2], prompt, "prefill-host", 1, 9, "req-9")
         assert all(not bool(t.any()) for t in dpool.pd_first_step)      # cleared once read
@@ -177,21 +182,26 @@ def test_the_first_step_planned_on_the_prefill_node_crosses_with_the_transfer(se
         ps.close()
 
 
-@pytest.mark.parametrize("case", ["torn", "current"])
+@pytest.mark.parametrize("case", ["torn", "shared", "current"])
 def test_without_a_usable_plan_the_first_step_selects_on_the_decode_node(seed, case):
-    """A torn mask (its two copies differ) or a prefill node that planned nothing (predictor
-    ``current``): nothing is installed or read at admission, the first step selects
+    """A torn mask (its two copies differ), a page whose rows another request's send overwrote
+    (a shared cached prefix: the room tag differs) or a prefill node that planned nothing
+    (predictor ``current``): nothing is installed or read at admission, the first step selects
     synchronously, and outputs still equal the prefill node decoding the request from an
     empty row."""
-    pf, dc, ps, ds, dpool = make_sides(24, prefill_predictor="previous" if case == "torn" else "current")
+    pf, dc, ps, ds, dpool = make_sides(24, prefill_predictor="current" if case == "current" else "previous")
     try:
         prompt, steps = 61, 6
         K, V, Q, rt_p, rt_d, npg, src, dst = transferred(pf, dc, dpool, prompt, steps)
-        marked = carry_first_step(ps, pf, dpool, rt_p, prompt, src, dst, torn=case == "torn")
-        assert (marked > 0) == (case == "torn") and ps.first_steps_sent == (case == "torn")
+        marked = carry_first_step(ps, pf, dpool, rt_p, prompt, src, dst, room=4, torn=case == "torn")
+        if case == "shared":
+            for t in dpool.pd_first_step:
+                t[dst[0], -4:] = room_tag(12345)
+        assert (marked > 0) == (case != "current") and ps.first_steps_sent == (case != "current")
         ds.admit(2, rt_d[2], prompt, "prefill-host", 1, 4, "req-4")
         assert all(not bool(t.any()) for t in dpool.pd_first_step)
         assert not bool((dc.ws.ids[:, 2] >= 0).any()) and ds.first_steps_planned == 0
+        assert ds.first_steps_rejected == (case != "current")
         assert ds.remote.first_step_pieces == 0 and ds.remote.bytes_read == 0
         ref = engine(budget=24)                  # the decode node's predictor, from an empty row
         prefill(ref, 1, rt_p, K, V, Q, prompt)
@@ -222,10 +232,9 @@ def test_fp32_summaries_cross_in_bf16_rounded_outward(seed):
         L, P = len(pf.sparse_layers), pf.host.num_pages
         staging = lambda: tuple([torch.zeros((P, H, D), dtype=torch.bfloat16) for _ in range(L)]  # noqa: E731
                                 for _ in range(2))
-        ppool = types.SimpleNamespace(pd_summaries=staging(), pd_first_step=[
-            torch.zeros((P, L * H), dtype=torch.int16) for _ in range(2)])
+        ppool = types.SimpleNamespace(pd_summaries=staging(), pd_first_step=first_step_regions(pf))
         dpool.pd_summaries = staging()
-        assert ps.prepare_send(ppool, 1, rt_p[1], prompt) > 0
+        assert ps.prepare_send(ppool, 1, rt_p[1], prompt, 6) > 0
         for a, b in zip(ppool.pd_summaries + tuple([t] for t in ppool.pd_first_step),
                         dpool.pd_summaries + tuple([t] for t in dpool.pd_first_step)):
             for x, y in zip(a, b):                      # SGLang's transfer, page by page
@@ -259,11 +268,10 @@ def test_an_oasis_prefill_node_sends_a_request_in_one_piece_with_its_plan(seed):
     try:
         prompt = 61
         K, V, Q, rt_p, rt_d = prefilled(pf, prompt, 1)
-        P, L = pf.host.num_pages, len(pf.sparse_layers)
-        ppool = types.SimpleNamespace(pd_first_step=[torch.zeros((P, L * H), dtype=torch.int16) for _ in range(2)])
+        ppool = types.SimpleNamespace(pd_first_step=first_step_regions(pf))
         sched = types.SimpleNamespace(req_to_token_pool=types.SimpleNamespace(req_to_token=rt_p),
                                       token_to_kv_pool_allocator=types.SimpleNamespace(get_kvcache=lambda: ppool))
-        req = types.SimpleNamespace(req_pool_idx=1, origin_input_ids=list(range(prompt)), rid="r")
+        req = types.SimpleNamespace(req_pool_idx=1, origin_input_ids=list(range(prompt)), rid="r", bootstrap_room=3)
         sent = []
         send = lambda self, r, last_chunk=False, end_idx=None: sent.append((last_chunk, end_idx))  # noqa: E731
         set_side(None)
@@ -278,7 +286,9 @@ def test_an_oasis_prefill_node_sends_a_request_in_one_piece_with_its_plan(seed):
         assert sent[-1] == (True, None) and ps.first_steps_sent == 1
         pages = torch.div(rt_p[1, :prompt:BS].long(), BS, rounding_mode="floor")
         assert torch.equal(ppool.pd_first_step[0], ppool.pd_first_step[1])
-        assert bool((ppool.pd_first_step[0][pages] > 0).any(0).all())      # every (layer, KV head) planned
+        rows = ppool.pd_first_step[0][pages]
+        assert bool((rows[:, :-4] > 0).any(0).all())      # every (layer, KV head) planned
+        assert bool((rows[:, -4:] == room_tag(3)).all())  # tagged with the request's room
     finally:
         set_side(None)
         ds.close()
@@ -286,18 +296,19 @@ def test_an_oasis_prefill_node_sends_a_request_in_one_piece_with_its_plan(seed):
 
 
 def test_plan_from_mask_puts_blocks_in_their_slots_and_refuses_what_is_no_plan():
-    from oasis_sglang.disagg.admission import plan_from_mask
-
-    m = torch.tensor([[[2, 0, 1]], [[0, 3, 0]]], dtype=torch.int16)        # [L=2, H=1, N=3]: slot + 1
-    assert plan_from_mask(m, 10, 4, 4).tolist() == [[[2, 0, -1, -1]], [[-1, -1, 1, -1]]]
+    m = torch.tensor([[[2, 0, 1]], [[0, 3, 1]]], dtype=torch.int16)        # [L=2, H=1, N=3]: slot + 1
+    assert plan_from_mask(m, 10, 4, 4).tolist() == [[[2, 0, -1, -1]], [[2, -1, 1, -1]]]
     # 12 tokens in 3 full blocks: the new token's block 3 goes to the first free slot
-    assert plan_from_mask(m, 12, 4, 4).tolist() == [[[2, 0, 3, -1]], [[3, -1, 1, -1]]]
-    assert plan_from_mask(m, 12, 4, 3).tolist() == [[[2, 0, 3]], [[3, -1, 1]]]
-    assert plan_from_mask(m, 10, 4, 2) is None                          # slot 3 past K = 2
-    assert plan_from_mask(torch.tensor([[[1, 2]], [[2, 1]]]), 8, 4, 2) is None   # no slot for block 2
-    assert plan_from_mask(torch.tensor([[[1, 1, 0]], [[1, 0, 0]]]), 10, 4, 4) is None   # slot 0 held twice
-    assert plan_from_mask(torch.tensor([[[1, 0, 0]], [[0, 0, 0]]]), 10, 4, 4) is None   # layer 1: nothing
+    assert plan_from_mask(m, 12, 4, 4).tolist() == [[[2, 0, 3, -1]], [[2, 3, 1, -1]]]
+    # a smaller budget here (K = 2; slot 3 is past it): packed in the prefill node's slot order
+    assert plan_from_mask(m, 10, 4, 2).tolist() == [[[2, 0]], [[2, 1]]]
+    assert plan_from_mask(torch.tensor([[[1, 2]], [[2, 1]]]), 8, 4, 2) is None            # no slot for block 2
+    assert plan_from_mask(torch.tensor([[[1, 1, 2]], [[1, 0, 2]]]), 10, 4, 4) is None     # slot 0 held twice
+    assert plan_from_mask(torch.tensor([[[1, 0, 2]], [[0, 0, 0]]]), 10, 4, 4) is None     # layer 1: nothing
+    assert plan_from_mask(torch.tensor([[[1, 0, 0]], [[1, 0, 2]]]), 10, 4, 4) is None     # layer 0 lacks block 2
+    assert plan_from_mask(torch.tensor([[[1, 0, -2]], [[1, 0, 2]]]), 10, 4, 4) is None    # a negative slot
     assert plan_from_mask(torch.zeros((2, 1, 0), dtype=torch.int16), 0, 4, 4) is None
+    assert room_tag(2 ** 64 - 1).tolist() == [-1] * 4 and room_tag(5).view(torch.int64).item() == 5
 
 
 def test_release_never_gives_back_another_requests_blocks_and_rejects_masks(sides):

@@ -375,5 +375,9 @@ def test_eagle3_drafts_through_router_equal_dense(model, tok, pd):
         assert lines and "predictor: lookahead" in lines[-1] and "draft match: " in lines[-1], lines[-1:]
         adm = [l for l in dlog.splitlines() if "OasisKV PD: admitted request" in l and "draft model's KV" in l]
         assert len(adm) >= len(prompts), "the draft model's KV was not counted at admission"
+        # lookahead plans ahead: every first step was planned on the prefill node, none selected here
+        assert set(int(m[0]) for m in PLANNED.findall(dlog)) >= {len(p) for p in prompts}
+        sync = [int(x) for x in re.findall(r"fallback synchronous steps: (\d+),", "\n".join(lines))]
+        assert len(set(sync)) == 1 and sync[0] <= 1, sync
     finally:
         d.stop()

@@ -116,7 +116,7 @@ def test_pd_transfer_regions_are_dense_kv_summaries_page_numbers_and_first_step_
     v_half = [pool.v_buffer[0]] + smax + [pool.pd_page_ids[1], pool.pd_first_step[1]]
     assert ptrs == [t.data_ptr() for t in k_half + v_half]
     assert lens == [t.numel() * t.element_size() for t in k_half + v_half]
-    assert items == [BS * H * D * 4, H * D * 2, H * D * 2, 8, 2 * len(eng.sparse_layers) * H] * 2
+    assert items == [BS * H * D * 4, H * D * 2, H * D * 2, 8, 2 * (len(eng.sparse_layers) * H + 4)] * 2
     assert [n // i for n, i in zip(lens, items)] == [P] * 10
     assert torch.equal(pool.pd_page_ids[0], torch.arange(P)) and torch.equal(pool.pd_page_ids[1], torch.arange(P))
     assert all(not bool(t.any()) and t.dtype == torch.int16 for t in pool.pd_first_step)
