@@ -217,6 +217,9 @@ def plan_from_mask(mask: torch.Tensor, prompt_len: int, block_size: int, num_slo
     if N == 0 or bool((m < 0).any()) or not bool(held.any(-1).all()) \
             or int(held.sum(-1).max()) + int(need_next) > num_slots:
         return None
+    srt = torch.where(held, m, 0).sort(-1).values
+    if bool(((srt[..., 1:] == srt[..., :-1]) & (srt[..., 1:] > 0)).any()):     # a slot held twice
+        return None
     if int(m.max()) > num_slots:                             # a larger budget there: pack in slot order
         order = torch.sort(torch.where(held, m, torch.iinfo(torch.int64).max), dim=-1, stable=True)
         rank = torch.empty_like(order.indices).scatter_(-1, order.indices, torch.arange(N).expand(L, H, N))
@@ -225,8 +228,6 @@ def plan_from_mask(mask: torch.Tensor, prompt_len: int, block_size: int, num_slo
     blocks = torch.arange(N, dtype=torch.int64).expand(L, H, N)
     ids.scatter_(-1, torch.where(held, m - 1, num_slots), torch.where(held, blocks, -1))
     ids = ids[..., :num_slots]
-    if int((ids >= 0).sum()) != int(held.sum()):            # two blocks in one slot
-        return None
     if need_next:
         free = ids < 0
         ids.scatter_(-1, free.to(torch.int8).argmax(-1, keepdim=True), nxt)

@@ -195,8 +195,10 @@ class PrefillSide:
           failure there only costs the plan (logged; the decode node then selects the first
           step itself).
 
-        On CUDA the writes run on a side stream the host then waits for (NIXL's thread reads the
-        regions next), so the host never waits for work SGLang queued after this batch.
+        On CUDA the plan is read after that row's plan event and the writes run on the engine's
+        side stream, which the host then waits for (NIXL's thread reads the regions next); the
+        request's pages are read from SGLang's table on the current stream, as SGLang's own send
+        that follows does.
 
         Args:
             pool: the ``OasisKVPool`` (no regions yet: nothing is written). row: the request's row.
@@ -224,7 +226,7 @@ class PrefillSide:
                 mask = torch.zeros((pages.numel(), first_step_width(L, eng.head_num)), dtype=torch.int16)
                 mask[:, L * eng.head_num:] = room_tag(room)
         cuda = eng.device.type == "cuda"
-        side = torch.cuda.Stream(eng.device) if cuda else None
+        side = eng.side_stream() if cuda else None
         with torch.cuda.stream(side) if cuda else contextlib.nullcontext():
             if staged is not None:
                 pd = pages.to(eng.device)
@@ -400,7 +402,7 @@ class DecodeSide:
         # admitted rows whose planned first step is still to be read and installed
         self._first: list[_FirstStep] = []
         self.first_steps_planned = 0     # requests whose first step used the prefill node's plan
-        self.first_steps_rejected = 0    # requests whose plan arrived but was not usable here
+        self.first_steps_rejected = 0    # requests whose plan arrived but was not used (refused, read or install failed)
         self.peers: dict[tuple[str, int], str] = {}          # (bootstrap host, port) -> agent
         self.rows: dict[int, Admitted] = {}
         self.aborted = 0
@@ -729,9 +731,9 @@ class DecodeSide:
             return
         mib = 2 ** 20
         draft = bool(self.draft_page_bytes)
-        if first_bytes:
-            how = (f"its {int((p.ids >= 0).sum())} blocks planned on the prefill node ({first_bytes / mib:.2f} MiB "
-                   "read at admission)")
+        if first_bytes and not p.why:
+            how = (f"its {first_bytes // self.engine.block_bytes} prompt blocks planned on the prefill node "
+                   f"({first_bytes / mib:.2f} MiB read at admission)")
         elif p.why:
             how = f"selected here (the prefill node's plan not used: {p.why})"
         else:
@@ -766,12 +768,20 @@ class DecodeSide:
             ls.append(li)
             hs.append(h)
             ps.append(p.pages[p.ids[li, h, k]])
-        n = self.remote.read_now(torch.cat(ls), torch.cat(hs), torch.cat(ps))
+        try:
+            n = self.remote.read_now(torch.cat(ls), torch.cat(hs), torch.cat(ps))
+        except Exception as e:  # noqa: BLE001 - the rows then select their first steps themselves
+            logger.error("OasisKV PD: reading the planned first steps failed: %s", e)
+            for p in pend:
+                p.why = f"reading it failed: {e}"
+                self._log_admitted(p, 0)
+            return 0
         for p, li in zip(pend, ls):
             if p.peer in self.remote.lost:
-                p.why = f"its prefill node was lost before the read ({self.remote.lost[p.peer]})"
+                p.why = f"its prefill node was lost ({self.remote.lost[p.peer]})"
                 self._log_admitted(p, 0)
                 continue
+            read = li.numel() * self.engine.block_bytes           # these crossed, installed or not
             try:
                 self.engine.install_working_set_from_host(p.row, p.ids, p.pages, p.prompt_len + 1)
             except Exception as e:  # noqa: BLE001 - the row then selects its first step itself
@@ -779,10 +789,10 @@ class DecodeSide:
                              p.rid, e)
                 self.engine.reset_rows([p.row])
                 p.why = f"installing it failed: {e}"
-                self._log_admitted(p, 0)
+                self._log_admitted(p, read)
                 continue
             self.first_steps_planned += 1
-            self._log_admitted(p, li.numel() * self.engine.block_bytes)
+            self._log_admitted(p, read)
         return n
 
     def held_bytes(self, row: int, pages: torch.Tensor, tokens: int | None = None) -> int:

@@ -105,9 +105,13 @@ def send_kv_chunk_hook(original, self, req, last_chunk: bool = False, *args, **k
     node planned, region ``pd_first_step``)."""
     s = side()
     if isinstance(s, PrefillSide) and last_chunk and req.req_pool_idx is not None:
-        s.prepare_send(self.token_to_kv_pool_allocator.get_kvcache(), int(req.req_pool_idx),
-                       self.req_to_token_pool.req_to_token[req.req_pool_idx], len(req.origin_input_ids),
-                       int(req.bootstrap_room or 0))
+        try:
+            s.prepare_send(self.token_to_kv_pool_allocator.get_kvcache(), int(req.req_pool_idx),
+                           self.req_to_token_pool.req_to_token[req.req_pool_idx], len(req.origin_input_ids),
+                           int(req.bootstrap_room or 0))
+        except Exception:  # noqa: BLE001 - a bug here must not stop the prefill loop for everyone
+            logger.exception("OasisKV PD: preparing the send of request %s failed; it is sent as it is (its "
+                             "summaries on the decode node may be stale, its first step selected there)", req.rid)
     return original(self, req, last_chunk, *args, **kwargs)
 
 
@@ -206,7 +210,10 @@ def pop_transferred_hook(result, self, *args, **kwargs):
             logger.error("OasisKV PD: request %s cannot be admitted: %s", req.rid, e)
             _abort(req, f"OasisKV PD: cannot admit the request: {e}")
             s.refuse(req.bootstrap_host, req.bootstrap_port, req.bootstrap_room, req.rid)
-    s.install_first_steps()          # one READ per prefill node for every admitted request's first step
+    try:
+        s.install_first_steps()      # one READ per prefill node for every admitted request's first step
+    except Exception:  # noqa: BLE001 - the rows then select their first steps themselves
+        logger.exception("OasisKV PD: installing the planned first steps failed")
     return result
 
 

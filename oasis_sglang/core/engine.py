@@ -445,6 +445,23 @@ class OasisSparseKV:
                     self._plan_done[rows_c[i]] = ev
         return out
 
+    def side_stream(self):
+        """A CUDA stream of this engine's own for PD's host reads and region writes, never the
+        forward stream or a prefetch stage stream (PyTorch hands streams out round-robin from a
+        pool of 32; SGLang redraws its schedule stream for the same reason). ``None`` off CUDA."""
+        if self.device.type != "cuda":
+            return None
+        taken = {getattr(s, "cuda_stream", None) for s in self.pipe.streams}
+        if self._fwd_stream is not None:
+            taken.add(self._fwd_stream.cuda_stream)
+        s = getattr(self, "_side", None)
+        for _ in range(64):
+            if s is not None and s.cuda_stream not in taken:
+                break
+            s = torch.cuda.Stream(self.device)
+        self._side = s
+        return s
+
     def planned_working_set(self, row: int) -> torch.Tensor:
         """PD prefill node: the working set ``extend_attention`` planned for request row ``row``'s
         first decode step, ``[L, H, K]`` int64 block numbers on the CPU (-1 empty).
@@ -460,7 +477,7 @@ class OasisSparseKV:
         if not self.pipe.cuda:
             return self.ws.ids[:, row].clone()
         ev = self._plan_done.pop(row, None)
-        side = torch.cuda.Stream(self.device)
+        side = self.side_stream()
         if ev is not None:
             side.wait_event(ev)
         with torch.cuda.stream(side):

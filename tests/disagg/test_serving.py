@@ -307,6 +307,8 @@ def test_plan_from_mask_puts_blocks_in_their_slots_and_refuses_what_is_no_plan()
     assert plan_from_mask(torch.tensor([[[1, 0, 2]], [[0, 0, 0]]]), 10, 4, 4) is None     # layer 1: nothing
     assert plan_from_mask(torch.tensor([[[1, 0, 0]], [[1, 0, 2]]]), 10, 4, 4) is None     # layer 0 lacks block 2
     assert plan_from_mask(torch.tensor([[[1, 0, -2]], [[1, 0, 2]]]), 10, 4, 4) is None    # a negative slot
+    assert plan_from_mask(torch.tensor([[[5, 0, 5]]]), 10, 4, 3) is None                   # held twice, past K
+    assert plan_from_mask(torch.tensor([[[1, 9, 1]]]), 10, 4, 3) is None
     assert plan_from_mask(torch.zeros((2, 1, 0), dtype=torch.int16), 0, 4, 4) is None
     assert room_tag(2 ** 64 - 1).tolist() == [-1] * 4 and room_tag(5).view(torch.int64).item() == 5
 
