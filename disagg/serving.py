@@ -667,6 +667,7 @@ class DecodeSide:
             raise ValueError(f"OasisKV PD: received page numbers up to {int(src.max())}, but the prefill node's host "
                              f"tier has {self.fetcher.peers[peer].num_pages} pages")
         self.engine.reset_rows([row])
+        self.engine.note_new_request()         # its first step writes the OasisKV decode log line
         staged = getattr(self.pool, "pd_summaries", None)
         if staged is not None:          # the summaries crossed in bf16 (PrefillSide.prepare_send)
             sm = self.engine.summaries

@@ -330,6 +330,8 @@ class OasisSparseKV:
             self.ops.copy_blocks(self.ws.k[li].view(-1, bs * D), self.ws.v[li].view(-1, bs * Dv), dst[li].reshape(-1),
                                  self.host.k[li].view(-1, bs * D), self.host.v[li].view(-1, bs * Dv),
                                  src[li].reshape(-1))
+        # admitted (copied host -> device) blocks, as the transfer stage counts them
+        self.counters[:, 1] += to_device(live.sum((1, 2)), dev)
         if self.predictor.asynchronous:
             self.record.mark(to_device([row], dev), to_device([seq_next], dev))
             self.record.mirror([row], [seq_next])
@@ -444,6 +446,12 @@ class OasisSparseKV:
                 for i in keep:
                     self._plan_done[rows_c[i]] = ev
         return out
+
+    def note_new_request(self) -> None:
+        """A request arrived without a prefill here (a PD decode node's admission): the next
+        decode step counts as a request's first (``OasisStats.new_request_started``, which
+        writes the ``OasisKV decode`` log line), as after a local prefill."""
+        self._prefilled = True
 
     def side_stream(self):
         """A CUDA stream of this engine's own for PD's host reads and region writes, never the

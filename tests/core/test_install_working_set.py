@@ -26,6 +26,7 @@ def test_a_plan_installed_from_the_host_tier_decodes_like_the_engine_that_planne
     b.install_working_set_from_host(2, ids, pages, prompt + 1)
     assert torch.equal(b.ws.ids[:, 2].cpu(), ids)
     live = (ids >= 0) & (ids < pages.numel())
+    assert torch.equal(b.counters[:, 1].cpu(), live.sum((1, 2)))        # counted as admitted (H2D) blocks
     for li in range(len(a.sparse_layers)):
         assert torch.equal(b.ws.k[li][2][live[li]], a.ws.k[li][1][live[li]])
         assert torch.equal(b.ws.v[li][2][live[li]], a.ws.v[li][1][live[li]])

@@ -207,6 +207,8 @@ def test_without_a_usable_plan_the_first_step_selects_on_the_decode_node(seed, c
         prefill(ref, 1, rt_p, K, V, Q, prompt)
         ref.reset_rows([1])
         for t in range(prompt, prompt + steps):
+            if t == prompt + 1:      # the first step after the admission was a request's first (log line)
+                assert dc.stats.new_request_started
             torch.testing.assert_close(decode(dc, 2, rt_d, K, V, Q, t), decode(ref, 1, rt_p, K, V, Q, t),
                                        rtol=1e-5, atol=1e-5, msg=f"step {t - prompt}")
         assert dc.stats.sync_steps >= 1
