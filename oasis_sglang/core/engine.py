@@ -283,14 +283,18 @@ class OasisSparseKV:
             raise ValueError(f"install_working_set: ids {tuple(ids.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: "
                              f"want [{L}, {H}, {K}] and [{L}, {H}, {K}, {bs}, {self.head_dim}/{self.v_head_dim}]")
         self.pipe.drain()
-        ids = ids.to(self.device, torch.int64)
-        self.ws.ids[:, row] = ids
-        self.ws.last_used[:, row] = torch.where(ids >= 0, self._clock + 1, 0)
         for li in range(L):
             self.ws.k[li][row] = k[li].to(self.device, self.ws.k[li].dtype)
             self.ws.v[li][row] = v[li].to(self.device, self.ws.v[li].dtype)
+        self._install_row(row, to_device(ids, self.device), seq_next)
+
+    def _install_row(self, row: int, ids_d: torch.Tensor, seq_next: int) -> None:
+        """The block table, LRU times and prediction record of an installed working set
+        (``ids_d [L, H, K]`` int64 on the device; its K/V already in the row's slots)."""
+        self.ws.ids[:, row] = ids_d
+        self.ws.last_used[:, row] = torch.where(ids_d >= 0, self._clock + 1, 0)
         if self.predictor.asynchronous:
-            self.record.mark(torch.tensor([row], device=self.device), torch.tensor([seq_next], device=self.device))
+            self.record.mark(to_device([row], self.device), to_device([seq_next], self.device))
             self.record.mirror([row], [seq_next])
         self._prefilled = True
 
@@ -318,8 +322,6 @@ class OasisSparseKV:
         self.pipe.drain()
         dev = self.device
         ids_d = to_device(ids, dev)              # (no host wait for the step in flight: devcopy)
-        self.ws.ids[:, row] = ids_d
-        self.ws.last_used[:, row] = torch.where(ids_d >= 0, self._clock + 1, 0)
         hh = torch.arange(H, dtype=torch.int64)[:, None].expand(H, K)
         slot = (row * H + hh) * K + torch.arange(K, dtype=torch.int64)[None, :]          # [H, K]
         live = (ids >= 0) & (ids < N)                                                     # [L, H, K]
@@ -332,10 +334,7 @@ class OasisSparseKV:
                                  src[li].reshape(-1))
         # admitted (copied host -> device) blocks, as the transfer stage counts them
         self.counters[:, 1] += to_device(live.sum((1, 2)), dev)
-        if self.predictor.asynchronous:
-            self.record.mark(to_device([row], dev), to_device([seq_next], dev))
-            self.record.mirror([row], [seq_next])
-        self._prefilled = True
+        self._install_row(row, ids_d, seq_next)
 
     def is_sparse(self, layer_id: int) -> bool:
         """True when ``layer_id`` (model layer index) is served by OasisKV."""
