@@ -558,8 +558,10 @@ class GraphStep:
 
     def capture(self, rt, dense=False):
         """A capture step (the dense path's with ``dense``), a warm-up on the padding row only on
-        a side stream, then the graph."""
+        a side stream, then the graph. Each capture gets its own ``out`` (the graph's static
+        outputs, as SGLang keeps one output per graph key): keep it beside the graph."""
         e = self.eng
+        self.out = {}
         self.rows.zero_(), self.seq.fill_(1), self.loc.zero_()
         e.begin_decode_step(self.rows, self.seq, rt, mode="capture", dense=dense)
         e.pipe.join()
@@ -667,15 +669,18 @@ def test_cuda_graph_dense_variant_replays_equal_eager(seed):
                 dense.append(eng.stats.dense_steps)
         else:
             gs = GraphStep(eng)
-            graphs = {v: gs.capture(run.rt, dense=v) for v in (False, True)}   # SGLang's, then the dense one
+            graphs = {}
+            for v in (False, True):                     # SGLang's, then the dense one; each its own outputs
+                graphs[v] = (gs.capture(run.rt, dense=v), gs.out)
             for _ in range(16):
                 t = run.t
                 assert eng.can_replay([3, 5, 7], [t + 1] * 3)
                 gs.load(run, t)
                 st = eng.begin_decode_step(gs.rows, gs.seq, run.rt, mode="replay", rows_host=[3, 5, 7],
                                            seq_lens_host=[t + 1] * 3)
-                graphs[st.dense].replay()
-                outs.append({l: o[:3].clone() for l, o in gs.out.items()})
+                g, out = graphs[st.dense]
+                g.replay()
+                outs.append({l: o[:3].clone() for l, o in out.items()})
                 dense.append(eng.stats.dense_steps)
                 run.t += 1
         torch.cuda.synchronize()
