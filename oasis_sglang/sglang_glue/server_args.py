@@ -208,7 +208,8 @@ def handle_kv_sparse_args(args) -> OasisConfig:
             args.disable_cuda_graph = True
         else:
             logger.info("OasisKV PD: decode steps in CUDA graphs (pd_read_mode deferred, %s predictor: no read "
-                        "from the prefill node inside a predicted step; a request's first step runs eagerly)",
+                        "from the prefill node inside a predicted step; a request's first step is replayed too when "
+                        "its working set was planned on the prefill node, else it runs eagerly)",
                         predictor)
     args.kv_sparse_config = cfg.to_json()
     logger.info("OasisKV enabled: %s", args.kv_sparse_config)
