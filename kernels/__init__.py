@@ -11,6 +11,7 @@
   share_budget.py   6c. one layer's step budget shared across (request, KV head) by score rank
   append_tokens.py  7. decoded tokens into their resident slots + write-back of completed blocks
   replay_churn.py   8. (benchmarks only) the churn replay of one layer in one launch (``bench_oasis --churn``)
+  dense_plan.py     9. the dense path's working-set update (short contexts) of every layer in one launch
 
 ``TritonKVOps`` bundles them behind ``core.ops.BaseKVOps``; ``get_kv_ops(name)`` is the lazy
 factory over the registry ``{"torch", "triton"}`` (Triton is imported only when asked for).

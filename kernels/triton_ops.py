@@ -6,6 +6,7 @@ from oasis_sglang.core.ops import BaseKVOps, TorchKVOps
 
 from .append_tokens import append_tokens
 from .copy_blocks import copy_blocks
+from .dense_plan import dense_plan
 from .paged_attention import paged_attention
 from .plan_transfer import budget_candidates, plan_transfer
 from .replay_churn import replay_churn
@@ -25,8 +26,9 @@ MAX_FUSED_APPEND_K = 4096
 class TritonKVOps(BaseKVOps):
     """Triton kernels for the OasisKV operations (CUDA; CPU under ``TRITON_INTERPRET=1``).
 
-    ``plan_transfer`` and ``append_tokens`` fall back to the torch references (``TorchKVOps``,
-    also capturable: no host sync) above ``MAX_FUSED_PLAN_K`` / ``MAX_FUSED_APPEND_K`` blocks.
+    ``plan_transfer`` (and the step budget's and churn replay's kernels) fall back to the torch
+    references (``TorchKVOps``, also capturable: no host sync) above ``MAX_FUSED_PLAN_K`` blocks,
+    ``append_tokens`` and ``dense_plan`` above ``MAX_FUSED_APPEND_K``.
     """
 
     name = "triton"
@@ -83,6 +85,13 @@ class TritonKVOps(BaseKVOps):
             return TorchKVOps.append_tokens(self, ws_k, ws_v, ids, rows, pos, k, v, host_k, host_v, req_to_token,
                                             violations, counters, skip_row)
         append_tokens(ws_k, ws_v, ids, rows, pos, k, v, host_k, host_v, req_to_token, violations, counters, skip_row)
+
+    def dense_plan(self, ids, last_used, rows, seq, block_size, pipelined, clock_next, counters, skip_row=None):
+        """See :meth:`BaseKVOps.dense_plan` (``kernels.dense_plan``: one launch for every layer)."""
+        if ids.shape[-1] > MAX_FUSED_APPEND_K:
+            return TorchKVOps.dense_plan(self, ids, last_used, rows, seq, block_size, pipelined, clock_next,
+                                         counters, skip_row)
+        dense_plan(ids, last_used, rows, seq, block_size, pipelined, clock_next, counters, skip_row)
 
     def sparse_decode_attention(self, q, ws_k, ws_v, ids, rows, seq_lens, scale, k_extra=None,
                                 v_extra=None, return_lse=False):

@@ -125,9 +125,16 @@ def main() -> int:
     ap.add_argument("--steps", type=positive_int, default=3, help="decode steps counted (the counts of each are the same)")
     ap.add_argument("--kernels", choices=["triton", "torch"], default="triton")
     ap.add_argument("--eager", action="store_true", help="eager steps (host check each step) instead of graph mode")
+    ap.add_argument("--dense", action="store_true",
+                    help="the dense path's captured step (short contexts: no selection, kernel 9's update) "
+                         "instead of the full path's (graph mode only; --context + --steps must fit --budget)")
     ap.add_argument("--out", default="out/count_launches")
     args = ap.parse_args()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.dense and args.eager:
+        ap.error("--dense counts the captured dense step: leave out --eager")
+    if args.dense and args.context + args.steps + 2 > args.budget:
+        ap.error(f"--dense: --context {args.context} + --steps {args.steps} (+2) must fit --budget {args.budget}")
     if args.head_dim < 16 and args.kernels == "triton":
         ap.error(f"--head-dim {args.head_dim}: the Triton kernels need a head_dim of at least 16")
     try:
@@ -150,7 +157,7 @@ def main() -> int:
         if args.eager:     # the step's host check reads the host record (no device read)
             eng.begin_decode_step(rows, sq, rt, max_seq_len=mx, rows_host=rows_h, seq_lens_host=seq_h)
         else:              # what a captured step records (the replay's host bookkeeping launches nothing)
-            eng.begin_decode_step(rows, sq, rt, mode="capture")
+            eng.begin_decode_step(rows, sq, rt, mode="capture", dense=args.dense)
             eng.prepare_step_device()
         for l, (q, k, v) in enumerate(qkv):
             eng.write_kv(l, loc, k, v, decode=True)
@@ -184,7 +191,8 @@ def main() -> int:
     mode = "eager" if args.eager else "graph mode"
     lines = [f"# Kernel launches per OasisKV decode step ({dev}, {args.kernels} kernels, {mode})", "",
              f"`python scripts/count_launches.py {' '.join(os.sys.argv[1:])}`: batch {B}, {L} sparse layers, "
-             f"`previous` predictor, fetch_cap {args.fetch_cap}.", "",
+             f"`previous` predictor, fetch_cap {args.fetch_cap}"
+             + (", the dense path (short contexts)" if args.dense else "") + ".", "",
              f"**{total / L:.1f} kernel launches per sparse layer** ({total} per step), "
              f"{sum(syncs.values())} host syncs per step.", "",
              "| op | per step | per sparse layer |", "|---|---|---|"]

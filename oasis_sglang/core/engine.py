@@ -690,34 +690,16 @@ class OasisSparseKV:
         LRU clock and counted a hit, as the full path's plan would (``plan_admissions``: with
         ``K`` at least the context's blocks the top-K is every block, and missing ones take free
         slots in slot order). A new block has no token before the appended one: nothing is
-        copied. About a dozen launches per step instead of the per-layer pipeline; no host read,
+        copied. ``ops.dense_plan``: one launch per step with the Triton kernels (kernel 9), about 25
+        with the torch reference, instead of the per-layer pipeline; no host read,
         so a captured dense step records it (the padding row of a captured batch is updated
         like any row but counts no hits)."""
         if st.mode is not StepMode.CAPTURE:
             self.pipe.join()                      # plans queued on the stage streams write ids
             self.pipe.forget_waits()              # nothing waits on a transfer in this step
         # (a capture: the full path's capture before it ended joined; a replay joins first)
-        ids, lu, bs = self.ws.ids, self.ws.last_used, self.bs
-        rows, seq = st.rows, st.seq
-        held = ids[:, rows]                                                   # [L, B, H, K]
-        nb_next = ((seq + bs) // bs)[None, :, None, None]                     # blocks of seq + 1 tokens
-        # hits as the full path counts them: a pipelined plan's, of the next context; a
-        # synchronous (current) plan's, of this one, where the block opened by this step's token
-        # was not resident yet (a dense step admitted it a step early)
-        if self.predictor.asynchronous:
-            hit = (held >= 0) & (held < nb_next)
-        else:
-            hit = (held >= 0) & (held * bs < (seq - 1)[None, :, None, None])
-        if self.padding_row is not None:
-            hit &= (rows != self.padding_row)[None, :, None, None]
-        self.counters[:, 0] += hit.sum((1, 2, 3))
-        for j in ((seq - 1) // bs, seq // bs):
-            jj = j[None, :, None, None]
-            need = ~(held == jj).any(-1, keepdim=True) & (held < 0).any(-1, keepdim=True)
-            e = (held < 0).to(torch.int8).argmax(-1, keepdim=True)          # first free slot
-            held.scatter_(-1, e, torch.where(need, jj.expand_as(e), held.gather(-1, e)))
-        ids[:, rows] = held
-        lu[:, rows] = torch.where((held >= 0) & (held < nb_next), st.clock_next, lu[:, rows])
+        self.ops.dense_plan(self.ws.ids, self.ws.last_used, st.rows, st.seq, self.bs, self.predictor.asynchronous,
+                            st.clock_next, self.counters, self.padding_row)
 
     def _begin_replay(self, rows_host, seq_lens_host, width: int | None) -> DecodeStep:
         """``begin_decode_step(mode="replay")``: the host side of what the captured layers did

@@ -183,6 +183,31 @@ class BaseKVOps:
         """
         raise NotImplementedError
 
+    def dense_plan(self, ids, last_used, rows, seq, block_size: int, pipelined: bool, clock_next, counters,
+                   skip_row: int | None = None) -> None:
+        """The dense path's working-set update of one decode step, for every sparse layer at once
+        (``OasisSparseKV._dense_plan``: a step whose every request's next context fits the
+        working set skips scoring, top-K, plans and copies).
+
+        Args:
+            ids, last_used: ``[L, R, H, K]`` int64 block tables and LRU clocks of all sparse
+                layers (updated in place).
+            rows: ``[B]`` request rows (distinct, except a CUDA-graph padding row repeated).
+            seq: ``[B]`` int64 context tokens of this step, its new token included.
+            pipelined: the predictor plans a step ahead (a hit is a resident block of the next
+                context, ``< (seq + bs) // bs``); else (``current``) a hit is a resident block
+                starting before this step's token (``ids * bs < seq - 1``).
+            clock_next: 0-dim int64 device tensor, the next step's LRU clock.
+            counters: ``[L, >=1]`` int64: ``counters[:, 0]`` += hits of rows other than ``skip_row``.
+            skip_row: a CUDA-graph padding row: updated like any row but counts no hits.
+        Effect: the blocks of positions ``seq - 1`` and ``seq`` (this step's token and the next
+        one's), where not resident, each take the first free slot (lowest index, if any); every
+        resident block below ``(seq + bs) // bs`` gets ``last_used = clock_next``. As
+        ``plan_admissions`` with a top-K that is every block: nothing is copied (a new block
+        has no token before the appended one). No host sync.
+        """
+        raise NotImplementedError
+
     def sparse_decode_attention(self, q, ws_k, ws_v, ids, rows, seq_lens, scale: float | None,
                                 k_extra=None, v_extra=None, return_lse: bool = False):
         """Attention of one or two query rows per request over its head-wise working set.
@@ -336,6 +361,27 @@ class TorchKVOps(BaseKVOps):
         self.copy_blocks(host_k.view(-1, bs * D), host_v.view(-1, bs * ws_v.shape[-1]), dst,
                          ws_k.view(-1, bs * D), ws_v.view(-1, bs * ws_v.shape[-1]), src)
         counters[3] += done.sum()
+
+    def dense_plan(self, ids, last_used, rows, seq, block_size, pipelined, clock_next, counters, skip_row=None):
+        """Reference: ``[L, B, H, K]`` masks, a first-free-slot ``argmax`` and ``scatter_`` per new
+        block (about 25 launches)."""
+        bs = block_size
+        held = ids[:, rows]                                                   # [L, B, H, K]
+        nb_next = ((seq + bs) // bs)[None, :, None, None]                     # blocks of seq + 1 tokens
+        if pipelined:
+            hit = (held >= 0) & (held < nb_next)
+        else:
+            hit = (held >= 0) & (held * bs < (seq - 1)[None, :, None, None])
+        if skip_row is not None:
+            hit &= (rows != skip_row)[None, :, None, None]
+        counters[:, 0] += hit.sum((1, 2, 3))
+        for j in ((seq - 1) // bs, seq // bs):
+            jj = j[None, :, None, None]
+            need = ~(held == jj).any(-1, keepdim=True) & (held < 0).any(-1, keepdim=True)
+            e = (held < 0).to(torch.int8).argmax(-1, keepdim=True)          # first free slot
+            held.scatter_(-1, e, torch.where(need, jj.expand_as(e), held.gather(-1, e)))
+        ids[:, rows] = held
+        last_used[:, rows] = torch.where((held >= 0) & (held < nb_next), clock_next, last_used[:, rows])
 
     def sparse_decode_attention(self, q, ws_k, ws_v, ids, rows, seq_lens, scale, k_extra=None,
                                 v_extra=None, return_lse=False):

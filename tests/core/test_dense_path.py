@@ -10,14 +10,15 @@ import torch
 from oasis_sglang.config import OasisConfig, OasisConfigError
 from oasis_sglang.core import OasisSparseKV
 from oasis_sglang.core.attention import decode_attention
+from oasis_sglang.core.ops import TorchKVOps
 
 H, D, HQ, BS, BUDGET = 2, 8, 6, 4, 64          # 16 blocks of 4 tokens per (request, layer, KV head)
 
 
-def _engine(dense: bool, predictor: str, fetch_cap=2):
+def _engine(dense: bool, predictor: str, fetch_cap=2, ops=None):
     cfg = OasisConfig(budget_tokens=BUDGET, block_size=BS, dense_layers=(0,), fetch_cap=fetch_cap,
                       predictor=predictor, transfer_budget=None, dense_short_contexts=dense)
-    return OasisSparseKV(cfg, 3, 1024, 4, H, D, D, torch.float32, "cpu")
+    return OasisSparseKV(cfg, 3, 1024, 4, H, D, D, torch.float32, "cpu", ops=ops)
 
 
 def _prefill_reqs(eng, reqs, steps, g):
@@ -89,6 +90,34 @@ def test_dense_steps_equal_the_full_path_through_the_budget(seed, predictor):
     assert torch.equal(eng_d.counters, eng_f.counters), "the same hits, admissions, evictions, write-backs"
     r = eng_d.residency()
     assert r["dense_steps"] == sum(flags) and r["evicted_blocks"] > 0
+
+
+class _Kernel9Ops(TorchKVOps):
+    """The torch ops with the dense path's update by kernel 9 (``kernels.dense_plan``, under
+    Triton's interpreter on CPU): the other Triton kernels need a head_dim of 16 or more."""
+
+    def dense_plan(self, *args):
+        from oasis_sglang.kernels.dense_plan import dense_plan
+
+        dense_plan(*args)
+
+
+@pytest.mark.parametrize("predictor", ["previous", "current"])
+def test_kernel_9_in_the_engine_equals_the_reference(seed, predictor):
+    """Two requests (one grows past the budget, one stays short) decode through the dense path
+    with kernel 9 and with the torch reference: the same outputs, dense flags, block tables, LRU
+    clocks and counters at the end."""
+    res = []
+    for ops in (TorchKVOps(), _Kernel9Ops()):
+        eng = _engine(True, predictor, ops=ops)
+        outs, flags, _ = _drive(eng, {1: 30, 3: 5}, 40, torch.Generator().manual_seed(seed))
+        res.append((outs, flags, eng))
+    (oa, fa, a), (ob, fb, b) = res
+    assert fa == fb and any(fa) and not all(fa), fa
+    for x, y in zip(oa, ob):
+        assert all(torch.equal(p, q) for p, q in zip(x, y))
+    assert torch.equal(a.ws.ids, b.ws.ids) and torch.equal(a.ws.last_used, b.ws.last_used)
+    assert torch.equal(a.counters, b.counters) and b.stats.dense_steps == sum(fb)
 
 
 def test_a_dense_step_leaves_the_next_context_resident_in_every_layer(seed):

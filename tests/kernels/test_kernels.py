@@ -441,6 +441,53 @@ def test_replay_churn_equals_reference_exactly(seed, B, H, K):
             assert torch.equal(bit_w, want_w), (mean, salt)
 
 
+@pytest.mark.parametrize("L,B,H,K,bs", [(1, 1, 1, 1, 16), (2, 3, 2, 8, 4), (3, 5, 4, 128, 16), (2, 4, 3, 200, 1)])
+@pytest.mark.parametrize("pipelined", [True, False])
+def test_dense_plan_equals_reference_exactly(seed, L, B, H, K, bs, pipelined):
+    """Kernel 9 (the dense path's update of every layer) against ``TorchKVOps.dense_plan``: block
+    tables with the step's blocks resident, missing, or no free slot for them, contexts at block
+    boundaries (``seq - 1`` and ``seq`` in different blocks), a repeated padding row (no hits
+    counted), rows gathered from a larger table; ids, LRU clocks and hit counters equal."""
+    from oasis_sglang.kernels.dense_plan import dense_plan
+
+    g = torch.Generator().manual_seed(seed)
+    R = B + 3
+    seq = torch.randint(1, K * bs + 1, (B,), generator=g)
+    seq[0] = bs * (1 + int(torch.randint(0, K, (1,), generator=g)))      # the new token opens a block
+    if B > 1:
+        seq[1] = 1                                                          # the first token of a request
+    ids = torch.full((L, R, H, K), -1, dtype=torch.int64)
+    for l in range(L):
+        for r in range(R):
+            for h in range(H):
+                nb = int(seq[min(r, B - 1)]) // bs + 2
+                blocks = torch.randperm(max(nb, K), generator=g)[:K]
+                free = torch.rand(K, generator=g) < float(torch.rand(1, generator=g))   # from none to all free
+                ids[l, r, h] = torch.where(free, -1, blocks)
+    ids[0, :, 0] = torch.arange(K)                                          # a full row: no free slot
+    lu = torch.randint(0, 50, ids.shape, generator=g)
+    rows = torch.randperm(R, generator=g)[:B]
+    skip = None
+    if B > 2:
+        rows[-1] = rows[-2]                                                 # a captured batch's padding row, twice
+        seq[-1] = seq[-2]
+        skip = int(rows[-1])
+    clock = torch.tensor(77, dtype=torch.int64)
+    counters = torch.randint(0, 9, (L, 4), generator=g)
+    i_ref, l_ref, c_ref = ids.clone(), lu.clone(), counters.clone()
+    REF.dense_plan(i_ref, l_ref, rows, seq, bs, pipelined, clock, c_ref, skip)
+    i_d, l_d, c_d = ids.clone().to(DEV), lu.clone().to(DEV), counters.clone().to(DEV)    # (.to(cpu) aliases)
+    dense_plan(i_d, l_d, rows.to(DEV).int(), seq.to(DEV), bs, pipelined, clock.to(DEV), c_d, skip)
+    assert torch.equal(i_ref, i_d.cpu()) and torch.equal(l_ref, l_d.cpu()) and torch.equal(c_ref, c_d.cpu())
+    assert not torch.equal(c_ref, counters) and (K == 1 or not torch.equal(i_ref, ids)), "the case counts hits and puts blocks"
+    for b in range(B):                    # with two free slots, both of the step's blocks are resident after
+        for l in range(L):
+            for h in range(H):
+                if int((ids[l, rows[b], h] < 0).sum()) >= 2:
+                    for j in {(int(seq[b]) - 1) // bs, int(seq[b]) // bs}:
+                        assert bool((i_ref[l, rows[b], h] == j).any()), (b, l, h, j)
+
+
 @pytest.mark.parametrize("fn", ["reference", "kernel"])
 def test_plan_transfer_a_huge_cap_is_unbounded(seed, fn):
     """A cap of K or more admits like no cap (n_free + cap must not overflow: 2**63 - 1 did)."""
