@@ -176,7 +176,8 @@ class PrefillSide:
     def __init__(self, engine, lease_s: float, tp_rank: int = 0):
         self.engine = engine
         self.tier = NixlTier(engine.host.k, engine.host.v, agent_name("prefill", tp_rank),
-                             cpu_engine=engine.device.type == "cpu")
+                             cpu_engine=engine.device.type == "cpu", sparse_layers=tuple(engine.sparse_layers),
+                             num_layers=engine.num_layers)
         self.lease_s = float(lease_s)
         self.leases: dict[int, Lease] = {}
         self.released = self.expired = 0
@@ -387,7 +388,8 @@ class DecodeSide:
         self.engine, self.pool = engine, pool
         self.free_pages = free_pages
         self.tier = NixlTier(engine.host.k, engine.host.v, agent_name("decode", tp_rank),
-                             cpu_engine=engine.device.type == "cpu")
+                             cpu_engine=engine.device.type == "cpu", sparse_layers=tuple(engine.sparse_layers),
+                             num_layers=engine.num_layers)
         self.fetcher = RemoteBlockFetcher(self.tier, timeout_s=read_timeout_s)
         self.remote = RemoteBlocks(len(engine.sparse_layers), engine.head_num, engine.host.num_pages,
                                    fetch=self.fetcher.fetch, device=engine.device,

@@ -57,7 +57,12 @@ class TierLayout:
     Crosses the network as JSON (``to_bytes`` / ``from_bytes``). Sizes: ``num_pages`` blocks per
     layer and KV head, ``head_num`` KV heads, ``k_piece_bytes`` / ``v_piece_bytes`` bytes of one
     (KV head, block) piece (``bs * D * elem``), ``lease_s`` the seconds a prefill node holds a
-    transferred request's pages without a renewal (its ``pd_lease_s``; 0: not said).
+    transferred request's pages without a renewal (its ``pd_lease_s``; 0: not said). The model's
+    shape as the tier holds it: ``num_layers`` model layers (0: not said) and ``sparse_layers``
+    the model layer of each buffer pair (empty: not said), ``dtype`` the tier's element type
+    (empty: not said). Two nodes whose ``dense_layers`` differ in position but not in number
+    have tiers of the same sizes, and SGLang's transfer would copy one layer's KV and summaries
+    into another's places, so ``compatible`` compares these too.
     ``from_bytes`` ignores fields a later version adds and raises ValueError for a ``lease_s``
     outside 0..86400.
     """
@@ -72,6 +77,9 @@ class TierLayout:
     k_piece_bytes: int
     v_piece_bytes: int
     lease_s: float = 0.0        # the prefill node's ``pd_lease_s`` (0: not a staging pool, or not said)
+    num_layers: int = 0         # model layers (0: not said, an older layout)
+    sparse_layers: tuple[int, ...] = ()   # the model layer of each (k_ptrs, v_ptrs) pair (empty: not said)
+    dtype: str = ""             # the tier's element type, e.g. "torch.bfloat16" (empty: not said)
 
     def to_bytes(self) -> bytes:
         d = {f: getattr(self, f) for f in self.__dataclass_fields__}
@@ -85,6 +93,8 @@ class TierLayout:
             d = json.loads(b)
             d["metadata"] = base64.b64decode(d["metadata"])
             d["k_ptrs"], d["v_ptrs"] = tuple(d["k_ptrs"]), tuple(d["v_ptrs"])
+            if "sparse_layers" in d:
+                d["sparse_layers"] = tuple(int(x) for x in d["sparse_layers"])
             # fields a later version adds are left out (an older layout lacks lease_s: 0)
             lay = cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
         except (ValueError, KeyError, TypeError) as e:
@@ -94,14 +104,27 @@ class TierLayout:
             raise ValueError(f"OasisKV PD: tier layout: lease_s {ls!r}: want seconds in 0..86400")
         if len(lay.k_ptrs) != len(lay.v_ptrs):
             raise ValueError(f"OasisKV PD: tier layout: {len(lay.k_ptrs)} k_ptrs, {len(lay.v_ptrs)} v_ptrs")
+        if lay.sparse_layers and len(lay.sparse_layers) != len(lay.k_ptrs):
+            raise ValueError(f"OasisKV PD: tier layout: {len(lay.sparse_layers)} sparse_layers for "
+                             f"{len(lay.k_ptrs)} buffer pairs")
         return lay
 
     def compatible(self, other: "TierLayout") -> str | None:
         """Why blocks of ``other`` cannot be copied into this tier's places, or ``None``."""
+        if self.dtype and other.dtype and self.dtype != other.dtype:
+            return f"KV cache dtype {other.dtype} (peer) != {self.dtype} (here) (--kv-cache-dtype must match)"
         for f in ("head_num", "block_size", "k_piece_bytes", "v_piece_bytes"):
             if getattr(self, f) != getattr(other, f):
                 return f"{f} {getattr(other, f)} (peer) != {getattr(self, f)} (here)"
-        if len(self.k_ptrs) != len(other.k_ptrs):
+        if self.num_layers and other.num_layers and self.num_layers != other.num_layers:
+            return f"{other.num_layers} model layers (peer) != {self.num_layers} (here): not the same model"
+        if len(self.k_ptrs) != len(other.k_ptrs) or (self.sparse_layers and other.sparse_layers
+                                                    and self.sparse_layers != other.sparse_layers):
+            n = self.num_layers or other.num_layers
+            if n and self.sparse_layers and other.sparse_layers:
+                dense = lambda sp: sorted(set(range(n)) - set(sp))     # noqa: E731
+                return (f"dense_layers {dense(other.sparse_layers)} (peer) != {dense(self.sparse_layers)} (here): "
+                        f"kv_sparse_config's dense_layers must match on both nodes")
             return f"{len(other.k_ptrs)} sparse layers (peer) != {len(self.k_ptrs)} (here)"
         return None
 
@@ -212,12 +235,14 @@ class NixlTier:
         name: the NIXL agent name (unique per process and node, e.g. ``oasis-prefill-<port>-tp0``).
         cpu_engine: the OasisKV engine runs on the CPU (NIXL's progress thread then pauses
             between polls, ``progress_delay_us``); ``None``: when CUDA is not available.
+        sparse_layers, num_layers: the model layer of each buffer pair and the model's layer
+            count, told to peers in the layout (``TierLayout.compatible`` compares them).
     Raises:
         ValueError: buffers not on the CPU, not contiguous, or of different shapes.
     """
 
     def __init__(self, k: list[torch.Tensor], v: list[torch.Tensor], name: str, backends=("UCX",),
-                 cpu_engine: bool | None = None):
+                 cpu_engine: bool | None = None, sparse_layers: tuple[int, ...] = (), num_layers: int = 0):
         if len(k) != len(v) or not k:
             raise ValueError(f"NixlTier: {len(k)} K and {len(v)} V buffers: want one of each per sparse layer")
         for t in k + v:
@@ -225,7 +250,10 @@ class NixlTier:
                 raise ValueError(f"NixlTier: buffer {tuple(t.shape)} on {t.device}: want contiguous CPU [H, P, bs, D]")
         if any(t.shape != k[0].shape for t in k) or any(t.shape[:3] != k[0].shape[:3] for t in v):
             raise ValueError("NixlTier: the layers' buffers differ in shape")
+        if sparse_layers and len(sparse_layers) != len(k):
+            raise ValueError(f"NixlTier: {len(sparse_layers)} sparse_layers for {len(k)} buffer pairs")
         self.k, self.v, self.name = k, v, name
+        self.sparse_layers, self.num_layers = tuple(int(x) for x in sparse_layers), int(num_layers)
         H, P, bs, D = k[0].shape
         es = k[0].element_size()
         self.head_num, self.num_pages, self.block_size = H, P, bs
@@ -240,7 +268,8 @@ class NixlTier:
             raise RuntimeError(f"NixlTier {self.name!r}: closed (it has no NIXL agent)")
         return TierLayout(self.name, self.agent.get_agent_metadata(), tuple(t.data_ptr() for t in self.k),
                           tuple(t.data_ptr() for t in self.v), self.num_pages, self.head_num, self.block_size,
-                          self.k_piece, self.v_piece, float(lease_s))
+                          self.k_piece, self.v_piece, float(lease_s), self.num_layers, self.sparse_layers,
+                          str(self.k[0].dtype))
 
     def close(self) -> None:
         """Deregister the buffers and let go of the agent. NIXL's progress thread busy-polls one

@@ -185,6 +185,11 @@ class OasisConfig:
             # lease would lapse on any hiccup of the decode node; above a day a dead node's pages stay held
             raise OasisConfigError(f"kv_sparse_config: 'pd_lease_s' must be at least 1 second and at most 86400 "
                                    f"(a day), got {self.pd_lease_s!r}")
+        if not 0.01 <= self.pd_read_timeout_s <= 3600.0:
+            # below 10 ms a READ of one step's blocks over a real link would always be late (the node lost); above
+            # an hour a stopped prefill node would hold its requests that long (and Thread.join overflows past ~1e11)
+            raise OasisConfigError(f"kv_sparse_config: 'pd_read_timeout_s' must be at least 0.01 and at most 3600 "
+                                   f"seconds, got {self.pd_read_timeout_s!r}")
         if self.pd_read_mode not in PD_READ_MODES:
             raise OasisConfigError(
                 f"kv_sparse_config: 'pd_read_mode' must be one of {list(PD_READ_MODES)}, got {self.pd_read_mode!r}")

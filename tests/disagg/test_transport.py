@@ -90,6 +90,41 @@ def test_incompatible_peer_is_refused_naming_the_field(seed):
     nb.close()
 
 
+def test_dense_layers_in_other_positions_or_another_dtype_are_refused(seed):
+    """Two nodes whose dense_layers differ in position but not in number have tiers of the same
+    sizes, so SGLang's transfer would copy one layer's KV and summaries into another's places:
+    the layout names the model layers, and the peer is refused naming dense_layers. A bf16 tier
+    against an fp32 one is refused naming the dtype. A layout that does not say its layers (an
+    older node) is still taken on sizes, and it crosses the network with its fields."""
+    from oasis_sglang.disagg.transport import RemoteBlockFetcher as F
+
+    a, b = HostTier(L, P, BS, H, D, D, torch.float32), HostTier(L, P, BS, H, D, D, torch.float32)
+    c = HostTier(L, P, BS, H, D, D, torch.bfloat16)
+    tiers = [NixlTier(a.k, a.v, f"a-{seed}", sparse_layers=(2, 3, 4), num_layers=5),    # dense_layers [0, 1]
+             NixlTier(b.k, b.v, f"b-{seed}", sparse_layers=(1, 3, 4), num_layers=5),    # dense_layers [0, 2]
+             NixlTier(c.k, c.v, f"c-{seed}", sparse_layers=(2, 3, 4), num_layers=5),
+             NixlTier(b.k, b.v, f"d-{seed}", sparse_layers=(2, 3, 4), num_layers=6)]
+    na, nb, nc, nd = tiers
+    fa = F(na)
+    try:
+        lb = TierLayout.from_bytes(nb.layout().to_bytes())
+        assert lb.sparse_layers == (1, 3, 4) and lb.num_layers == 5 and lb.dtype == "torch.float32"
+        with pytest.raises(ValueError, match=r"dense_layers \[0, 2\] \(peer\) != \[0, 1\] \(here\)"):
+            fa.add_peer(lb)
+        with pytest.raises(ValueError, match="KV cache dtype torch.bfloat16"):
+            fa.add_peer(nc.layout())
+        with pytest.raises(ValueError, match="6 model layers"):
+            fa.add_peer(nd.layout())
+        old = TierLayout.from_bytes(nb.layout().to_bytes().replace(b'"sparse_layers": [1, 3, 4]', b'"x": 1'))
+        assert old.sparse_layers == () and fa.add_peer(old) == f"b-{seed}"      # sizes alone: taken
+        with pytest.raises(ValueError, match="sparse_layers"):
+            NixlTier(b.k, b.v, f"e-{seed}", sparse_layers=(1, 2))
+    finally:
+        fa.close()
+        for n in tiers:
+            n.close()
+
+
 PEER = r"""
 import sys, time, torch
 from oasis_sglang.core.host_tier import HostTier

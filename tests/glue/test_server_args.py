@@ -81,6 +81,8 @@ def test_oasis_sets_dependent_defaults(model, monkeypatch):
     (dict(kv_sparse_config='{"pd_lease_s": 1e11}'), "at most 86400"),
     (dict(kv_sparse_config='{"pd_lease_s": %d}' % 10 ** 400), "pd_lease_s"),
     (dict(kv_sparse_config='{"pd_read_timeout_s": "10"}'), "pd_read_timeout_s"),
+    (dict(kv_sparse_config='{"pd_read_timeout_s": 1e-300}'), "at least 0.01"),
+    (dict(kv_sparse_config='{"pd_read_timeout_s": 1e300}'), "at most 3600"),
 ])
 def test_bad_combinations_name_the_flag(model, kw, key):
     with pytest.raises(OasisConfigError, match=key):
