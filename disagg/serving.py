@@ -735,7 +735,8 @@ class DecodeSide:
         mib = 2 ** 20
         draft = bool(self.draft_page_bytes)
         if first_bytes and not p.why:
-            how = (f"its {first_bytes // self.engine.block_bytes} prompt blocks planned on the prefill node "
+            how = (f"its {first_bytes // self.engine.block_bytes} prompt block pieces (sparse layer x KV head x "
+                   f"block) planned on the prefill node "
                    f"({first_bytes / mib:.2f} MiB read at admission)")
         elif p.why:
             how = f"selected here (the prefill node's plan not used: {p.why})"

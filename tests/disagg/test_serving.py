@@ -182,6 +182,40 @@ def test_the_first_step_planned_on_the_prefill_node_crosses_with_the_transfer(se
         ps.close()
 
 
+@pytest.mark.parametrize("prompt,cut", [(61, 40), (64, 24), (200, 101)])
+def test_a_plan_after_a_chunked_prefill_decodes_as_the_prefill_node(seed, prompt, cut):
+    """The prefill node prefills the prompt in two chunks (its first chunk's plan is admitted into
+    its working set, the last chunk's plans the first decode step from there, capped): the plan
+    that crosses is its working set after the last chunk, slot by slot, and the decode node
+    (``pd_read_mode: wait``) decodes bitwise as the prefill node decoding the request itself."""
+    pf, dc, ps, ds, dpool = make_sides(24)
+    try:
+        steps = 12
+        n = prompt + steps
+        K, V, Q = torch.randn(LAYERS, n, H, D), torch.randn(LAYERS, n, H, D), torch.randn(LAYERS, n, HQ, D)
+        rt_p, rt_d = torch.zeros(ROWS, 256, dtype=torch.int32), torch.zeros(ROWS, 256, dtype=torch.int32)
+        rt_p[1, :n], rt_d[2, :n] = locs(n), locs(n)
+        for a, b in ((0, cut), (cut, prompt)):                      # SGLang's chunked prefill
+            for li in pf.sparse_layers:
+                pf.write_kv(li, rt_p[1, a:b].long(), K[li, a:b], V[li, a:b])
+                pf.extend_attention(li, Q[li, a:b], torch.tensor([1]), torch.tensor([a]), torch.tensor([b - a]),
+                                    rt_p, None)
+        npg = -(-prompt // BS)
+        src = torch.div(rt_p[1, :npg * BS:BS].long(), BS, rounding_mode="floor")
+        dst = torch.div(rt_d[2, :npg * BS:BS].long(), BS, rounding_mode="floor")
+        sglang_transfer(pf, dc, dpool, src, dst)
+        plan = pf.ws.ids[:, 1].clone()
+        assert carry_first_step(ps, pf, dpool, rt_p, prompt, src, dst, room=9) > 0
+        ds.admit(2, rt_d[2], prompt, "prefill-host", 1, 9, "req-9")
+        assert torch.equal(dc.ws.ids[:, 2], plan) and ds.first_steps_planned == 1
+        for t in range(prompt, n):
+            assert torch.equal(decode(dc, 2, rt_d, K, V, Q, t), decode(pf, 1, rt_p, K, V, Q, t)), t - prompt
+        assert dc.stats.sync_steps == 0
+    finally:
+        ds.close()
+        ps.close()
+
+
 @pytest.mark.parametrize("case", ["torn", "shared", "current"])
 def test_without_a_usable_plan_the_first_step_selects_on_the_decode_node(seed, case):
     """A torn mask (its two copies differ), a page whose rows another request's send overwrote

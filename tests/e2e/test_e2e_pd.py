@@ -37,7 +37,9 @@ def start_router(prefill_url: str, bootstrap: int, decode_url: str, timeout: flo
                              # a decode step of a 2-core CPU box can keep a worker's /health waiting
                              # past the router's 5 s: do not drop it for that
                              "--health-check-timeout-secs", "120", "--health-failure-threshold", "5",
-                             "--health-check-interval-secs", "15"], stdout=log, stderr=subprocess.STDOUT,
+                             "--health-check-interval-secs", "15",
+                             # its metrics take 29000 unless told: another router on the host must not stop it
+                             "--prometheus-port", str(free_port())], stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     t0 = time.time()

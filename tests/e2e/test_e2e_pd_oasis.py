@@ -57,7 +57,7 @@ RELEASED = re.compile(r"OasisKV PD: released request \S+: its sparse layers' KV 
                       r".* vs ([\d.]+) MiB allocated whole \((?:([\d.]+)x less|none held)\); host tier resident "
                       r"([\d.]+ MiB|-), requests from prefill nodes held: (\d+)")
 PLANNED = re.compile(r"OasisKV PD: admitted request \S+ from \S+: (\d+) prompt tokens, .* first step's working set: "
-                     r"its (\d+) prompt blocks planned on the prefill node")
+                     r"its (\d+) prompt block pieces \(sparse layer x KV head x block\) planned on the prefill node")
 ADMITTED = re.compile(r"OasisKV PD: admitted request \S+ from \S+: (\d+) prompt tokens, ([\d.]+) MiB at admission "
                       r".* vs ([\d.]+) MiB for a full transfer \(([\d.]+)x less\)")
 
