@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 from oasis_sglang.core.ops import BaseKVOps, TorchKVOps
 
 from .append_tokens import append_tokens
@@ -22,6 +24,8 @@ from .write_kv import write_kv
 MAX_FUSED_PLAN_K = 256
 MAX_FUSED_APPEND_K = 4096
 
+logger = logging.getLogger(__name__)
+
 
 class TritonKVOps(BaseKVOps):
     """Triton kernels for the OasisKV operations (CUDA; CPU under ``TRITON_INTERPRET=1``).
@@ -38,6 +42,9 @@ class TritonKVOps(BaseKVOps):
 
         # grid of copy_blocks (-1: one per two SMs, 0: one program per piece); env OASIS_COPY_PROGRAMS
         self.copy_programs = int(os.environ.get("OASIS_COPY_PROGRAMS", -1)) if copy_programs is None else copy_programs
+        # kernel 9 was exact-tested under the interpreter only when it landed (no GPU that session):
+        # None until its first launch worked; False after a first launch failed (the reference then)
+        self.dense_plan_kernel_ok: bool | None = None
 
     def write_kv(self, host_k, host_v, kmin, kmax, loc, k, v, block_size, one_token_each=False, write_host=True):
         """See :meth:`BaseKVOps.write_kv`; ``one_token_each`` skips segmenting (decode)."""
@@ -87,11 +94,27 @@ class TritonKVOps(BaseKVOps):
         append_tokens(ws_k, ws_v, ids, rows, pos, k, v, host_k, host_v, req_to_token, violations, counters, skip_row)
 
     def dense_plan(self, ids, last_used, rows, seq, block_size, pipelined, clock_next, counters, skip_row=None):
-        """See :meth:`BaseKVOps.dense_plan` (``kernels.dense_plan``: one launch for every layer)."""
-        if ids.shape[-1] > MAX_FUSED_APPEND_K:
+        """See :meth:`BaseKVOps.dense_plan` (``kernels.dense_plan``: one launch for every layer).
+
+        If the kernel's first launch fails (a Triton compile or launch error: it had not run on
+        every GPU when it landed), the error is logged once and the torch reference serves from
+        then on (same effect, about 25 launches); a failure after a first success is raised."""
+        if ids.shape[-1] > MAX_FUSED_APPEND_K or self.dense_plan_kernel_ok is False:
             return TorchKVOps.dense_plan(self, ids, last_used, rows, seq, block_size, pipelined, clock_next,
                                          counters, skip_row)
-        dense_plan(ids, last_used, rows, seq, block_size, pipelined, clock_next, counters, skip_row)
+        if self.dense_plan_kernel_ok:
+            return dense_plan(ids, last_used, rows, seq, block_size, pipelined, clock_next, counters, skip_row)
+        try:                      # the first launch compiles; nothing is written before the launch
+            dense_plan(ids, last_used, rows, seq, block_size, pipelined, clock_next, counters, skip_row)
+        except AssertionError:
+            raise                 # bad arguments (shape / dtype asserts): the caller's error
+        except Exception as e:  # noqa: BLE001 - a kernel that cannot compile here: the reference does the same
+            self.dense_plan_kernel_ok = False
+            logger.error("OasisKV: kernel 9 (dense_plan) failed at its first launch (%s: %s); the dense path's "
+                         "update runs the torch reference instead (same result, more launches)", type(e).__name__, e)
+            return TorchKVOps.dense_plan(self, ids, last_used, rows, seq, block_size, pipelined, clock_next,
+                                         counters, skip_row)
+        self.dense_plan_kernel_ok = True
 
     def sparse_decode_attention(self, q, ws_k, ws_v, ids, rows, seq_lens, scale, k_extra=None,
                                 v_extra=None, return_lse=False):

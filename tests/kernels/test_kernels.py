@@ -488,6 +488,42 @@ def test_dense_plan_equals_reference_exactly(seed, L, B, H, K, bs, pipelined):
                         assert bool((i_ref[l, rows[b], h] == j).any()), (b, l, h, j)
 
 
+def test_dense_plan_falls_back_to_the_reference_when_its_first_launch_fails(seed, monkeypatch, caplog):
+    """``TritonKVOps.dense_plan``: a kernel whose first launch fails (a Triton compile error on a
+    GPU it never ran on) is logged once and the torch reference does the update, with the same
+    effect, from then on; bad arguments still raise; a kernel that worked once is called directly."""
+    import oasis_sglang.kernels.triton_ops as tops
+
+    L, R, H, K, bs = 2, 4, 2, 8, 4
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.where(torch.rand(L, R, H, K, generator=g) < 0.5, -1, torch.randint(0, 9, (L, R, H, K), generator=g))
+    lu, counters = torch.zeros_like(ids), torch.zeros(L, 4, dtype=torch.int64)
+    rows, seq, clock = torch.tensor([1, 3]), torch.tensor([9, 13]), torch.tensor(5)
+    want = [ids.clone(), lu.clone(), counters.clone()]
+    REF.dense_plan(*want[:2], rows, seq, bs, True, clock, want[2], None)
+    calls = []
+
+    def broken(*a, **k):
+        calls.append(1)
+        raise RuntimeError("triton.compiler.errors.CompilationError: (simulated)")
+
+    ops = tops.TritonKVOps()
+    monkeypatch.setattr(tops, "dense_plan", broken)
+    with caplog.at_level("ERROR"):
+        ops.dense_plan(ids, lu, rows, seq, bs, True, clock, counters, None)
+    assert ops.dense_plan_kernel_ok is False and "kernel 9" in caplog.text and len(calls) == 1
+    assert torch.equal(ids, want[0]) and torch.equal(lu, want[1]) and torch.equal(counters, want[2])
+    ops.dense_plan(ids.clone(), lu.clone(), rows, seq, bs, True, clock, counters.clone(), None)
+    assert len(calls) == 1, "the reference from then on"
+    ok = tops.TritonKVOps()
+    monkeypatch.undo()
+    with pytest.raises(AssertionError):
+        ok.dense_plan(ids, lu.int(), rows, seq, bs, True, clock, counters, None)       # bad dtype: raised
+    assert ok.dense_plan_kernel_ok is None
+    ok.dense_plan(ids.clone(), lu.clone(), rows, seq, bs, True, clock, counters.clone(), None)
+    assert ok.dense_plan_kernel_ok is True
+
+
 @pytest.mark.parametrize("fn", ["reference", "kernel"])
 def test_plan_transfer_a_huge_cap_is_unbounded(seed, fn):
     """A cap of K or more admits like no cap (n_free + cap must not overflow: 2**63 - 1 did)."""
