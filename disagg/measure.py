@@ -51,7 +51,6 @@ def measure_admission(kv: dict, queries: dict, sim_prefix: int, cfg: OasisConfig
     k0, v0 = kv[sparse[0]]
     H, T, D = k0.shape
     Dv = v0.shape[-1]
-    Hq = queries[sparse[0]].shape[1]
     P = sim_prefix + 1
     n = T - P if decode_steps is None else min(T - P, decode_steps)
     bs = cfg.block_size
