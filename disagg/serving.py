@@ -372,9 +372,11 @@ class DecodeSide:
         tp_rank: this rank (names the NIXL agent). lease_s: ``OasisConfig.pd_lease_s``
             (leases are renewed every quarter to three eighths of it, or of the prefill node's
             if shorter, by a thread started at the first admission: :meth:`renew`).
-        free_pages: returns ``[F]`` int64 the pages SGLang's allocator holds free (a freed
+        free_pages: returns ``[F]`` int64 the pages SGLang's allocator holds free, those of
+            its open free group included (``sglang_glue.install.free_pages_of``): a freed
             request's blocks that share an OS page with free neighbours are given back with
-            them); ``None``: only whole OS pages inside the request's own blocks.
+            them, and once no request is held every free block still resident
+            (:meth:`_sweep_idle`); ``None``: only whole OS pages inside the request's own blocks.
     Raises:
         ValueError: ``read_timeout_s`` not > 0 (``RemoteBlockFetcher``).
     """
@@ -427,6 +429,7 @@ class DecodeSide:
         self._next_stale = float("inf")
         # released requests: their bytes in this host tier, and what a whole allocation holds
         self.released_requests = self.held_bytes_total = self.whole_bytes_total = 0
+        self.swept_bytes = 0            # host-tier bytes the idle sweep gave back (``_sweep_idle``)
         # bytes per page of the draft model's KV cache, which SGLang sends whole (set by the glue; None: not yet read)
         self.draft_page_bytes: int | None = None
         self.retracted = 0
@@ -832,9 +835,10 @@ class DecodeSide:
             others = [a.pages for r, a in self.rows.items() if r != int(row)]
             if others:           # never give back a block another admitted request holds
                 pages = pages[~torch.isin(pages, torch.cat(others))]
-            self.remote.wait_reads_into(pages)         # no read may land in memory given back
             held = self.held_bytes(row, pages, tokens)
-            self.engine.host.discard(self._with_free_neighbours(pages))
+            gone = self._with_free_neighbours(pages)
+            self.remote.wait_reads_into(gone)          # no read may land in memory given back
+            self.engine.host.discard(gone)
             if adm is not None and int(row) not in self._cut:   # (a cut-off row counts every piece as here)
                 whole = pages.numel() * self.remote.L * self.remote.H * self.engine.block_bytes
                 self.released_requests += 1
@@ -844,7 +848,7 @@ class DecodeSide:
                 less = f"{whole / held:.2f}x less" if held else "none held"
                 left = len(self.rows) - 1
                 # the tier's resident memory (mincore over the whole tier: ~1 s for a large one) only once idle
-                res = f"{self.engine.host.resident_bytes() / mib:.2f} MiB" if not left else "-"
+                res = "-" if left else f"{self._sweep_idle() / mib:.2f} MiB"
                 logger.info("OasisKV PD: released request %s: its sparse layers' KV in this node's host tier %.2f MiB "
                             "(blocks read on demand or decoded here) vs %.2f MiB allocated whole (%s); host "
                             "tier resident %s, requests from prefill nodes held: %d; read on demand so far: %.2f "
@@ -870,6 +874,30 @@ class DecodeSide:
         except Exception as e:  # noqa: BLE001 - the lease then expires on the prefill node
             logger.warning("OasisKV PD: could not tell prefill node %s to free request %s's pages (%s); "
                            "its lease will expire", adm.peer, adm.rid, e)
+
+    def _sweep_idle(self) -> int:
+        """With no request from a prefill node held: give back the memory of every free block
+        still resident (``HostTier.resident_pages``; a block whose OS page a neighbour held
+        when it was released, or a read that landed after its request ended), then return the
+        tier's resident bytes. Logs what it gave back (none is expected: it is a backstop)."""
+        host = self.engine.host
+        if not host.on_demand:
+            return host.resident_bytes()
+        stray = host.resident_pages()
+        if stray.numel() and self.free_pages is not None:
+            try:
+                stray = stray[torch.isin(stray, _page_list(self.free_pages()))]
+            except Exception as e:  # noqa: BLE001 - only memory is at stake
+                logger.warning("OasisKV PD: reading the free pages failed (%s); no idle sweep", e)
+                stray = stray[:0]
+            if stray.numel():
+                self.remote.wait_reads_into(stray)
+                n = host.discard(stray)
+                self.swept_bytes += n
+                if n:                   # (0: blocks sharing an OS page with a held one, SGLang's padding page)
+                    logger.info("OasisKV PD: idle: gave back the memory of %d free blocks still resident in the host "
+                                "tier (%.2f MiB)", stray.numel(), n / 2 ** 20)
+        return host.resident_bytes()
 
     def _with_free_neighbours(self, pages: torch.Tensor) -> torch.Tensor:
         """``pages`` and the free pages within an OS page of them (pieces smaller than an OS

@@ -218,6 +218,36 @@ class HostTier:
             n += int((torch.frombuffer(vec, dtype=torch.uint8) & 1).sum()) * OS_PAGE
         return n
 
+    def resident_pages(self) -> torch.Tensor:
+        """``[N]`` int64 host pages (sorted) any of whose pieces (any layer, K or V, KV head)
+        touches a resident OS page (``mincore``). A pinned tier: every page. Tells which blocks
+        hold memory when ``resident_bytes`` says the tier holds more than its requests do (an
+        OS page shared by neighbouring blocks counts for each of them).
+
+        Raises:
+            OSError: ``mincore`` failed."""
+        P = self.num_pages
+        if not self.on_demand:
+            return torch.arange(P, dtype=torch.int64)
+        libc, hit = _libc(), torch.zeros(P, dtype=torch.bool)
+        for _, buf, pb in self._buffers():
+            size = buf.numel() * buf.element_size()
+            if not size:
+                continue
+            a = buf.data_ptr() // OS_PAGE * OS_PAGE
+            npg = -(-(buf.data_ptr() + size - a) // OS_PAGE)
+            vec = (ctypes.c_ubyte * npg)()
+            if libc.mincore(a, npg * OS_PAGE, vec) != 0:
+                raise OSError(ctypes.get_errno(), "HostTier.resident_pages: mincore failed")
+            res = (torch.frombuffer(vec, dtype=torch.uint8) & 1).bool()
+            n = size // pb                                       # pieces: H * P
+            off = buf.data_ptr() - a + torch.arange(n, dtype=torch.int64) * pb
+            first, last = off // OS_PAGE, (off + pb - 1) // OS_PAGE
+            cs = torch.cat([torch.zeros(1, dtype=torch.int64), res.to(torch.int64).cumsum(0)])
+            any_res = (cs[last + 1] - cs[first]) > 0
+            hit |= any_res.view(-1, P).any(0)
+        return torch.nonzero(hit).reshape(-1)
+
     def read_tokens(self, layer: int, loc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Gather tokens by location: returns ``(k [n, H, D], v [n, H, Dv])`` on the CPU."""
         loc = loc.to("cpu", torch.int64)

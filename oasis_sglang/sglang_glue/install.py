@@ -171,12 +171,27 @@ def check_kv_scales(model, kv_cache_dtype: str) -> None:
 
 def _free_pages(model_runner):
     """``[F]`` int64 pages SGLang's token allocator holds free (``free_pages`` and the PD decode
-    node's ``release_pages``, ``mem_cache/allocator/paged.py``)."""
+    node's ``release_pages``, ``mem_cache/allocator/paged.py``), and the pages freed in the free
+    group now open (``free_group`` / ``free_page_reps_group``, ``allocator/base.py``).
+
+    SGLang frees the requests a batch finished in one free group and hands their pages to the
+    free list at the group's end, after ``DecodeSide.release`` ran for each: without the group,
+    two requests ending in one step whose blocks share OS pages (a piece under 4 KiB; their
+    decode blocks interleave) each saw the other's pages held, and those OS pages stayed resident
+    for good (a PD decode node's host tier grew after every such round)."""
+    return free_pages_of(model_runner.token_to_kv_pool_allocator)
+
+
+def free_pages_of(a):
+    """``_free_pages`` for an allocator ``a`` (SGLang's ``BaseTokenToKVPoolAllocator``)."""
     import torch
 
-    a = model_runner.token_to_kv_pool_allocator
-    parts = [t for t in (getattr(a, "free_pages", None), getattr(a, "release_pages", None)) if t is not None]
-    return torch.cat([t.reshape(-1).to("cpu", torch.int64) for t in parts]) if parts else torch.empty(0, dtype=torch.int64)
+    ps = int(getattr(a, "page_size", 1) or 1)
+    parts = [t.reshape(-1).to("cpu", torch.int64) for t in (getattr(a, "free_pages", None),
+                                                             getattr(a, "release_pages", None)) if t is not None]
+    group = list(getattr(a, "free_group", None) or []) + list(getattr(a, "free_page_reps_group", None) or [])
+    parts += [torch.div(t.reshape(-1).to("cpu", torch.int64), ps, rounding_mode="floor") for t in group]
+    return torch.unique(torch.cat(parts)) if parts else torch.empty(0, dtype=torch.int64)
 
 
 def check_memory(cfg: OasisConfig, plan: dict, device, host_ranks: int = 1) -> None:

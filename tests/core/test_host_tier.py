@@ -88,3 +88,19 @@ def test_discard_keeps_a_neighbour_sharing_an_os_page(seed):
     assert torch.equal(ht.k[0][0, 0], before[0, 0])
     assert torch.equal(ht.k[0][0, 64:], before[0, 64:])
     assert ht.k[0][0, 32:64].abs().sum() == 0            # the second OS page was wholly freed
+
+
+def test_resident_pages_names_the_blocks_holding_memory(seed):
+    """``resident_pages`` maps resident OS pages back to blocks: the blocks written, and a
+    neighbour sharing an OS page with one (pieces smaller than an OS page)."""
+    H, D, bs, P, L = 2, 64, 16, 256, 2                    # 4 KiB pieces: one OS page each
+    ht = HostTier(L, P, bs, H, D, D, torch.float32)
+    assert ht.resident_pages().numel() == 0
+    ht.k[1][1, 7] = 1.0                                   # one piece of one layer's K
+    ht.v[0][0, 200] = 2.0
+    assert ht.resident_pages().tolist() == [7, 200]
+    ht.discard(torch.tensor([7]))
+    assert ht.resident_pages().tolist() == [200]
+    small = HostTier(1, 512, 4, 1, 8, 8, torch.float32)   # 128 B pieces, 32 per OS page
+    small.k[0][0, 40] = 1.0
+    assert small.resident_pages().tolist() == list(range(32, 64))

@@ -653,3 +653,31 @@ def test_an_unreachable_prefill_node_fails_fast_and_is_remembered(sides):
     with pytest.raises(PeerLostError, match="no usable OasisKV host tier"):
         ds.peer_for("127.0.0.1", port)                     # remembered: no new wait in the decode loop
     assert time.monotonic() - t0 < 0.5
+
+
+def test_the_idle_sweep_gives_back_free_blocks_left_resident_and_keeps_held_ones(seed):
+    """Once no request is held, every free block still resident goes back to the OS (a block
+    whose OS page a neighbour held at its release, a read landing after its request ended);
+    a block SGLang's allocator does not list as free keeps its data."""
+    pf, dc, ps, ds, dpool = make_sides(24)
+    try:
+        host = dc.host
+        held = 7
+        free = torch.tensor([p for p in range(host.num_pages) if p != held])
+        ds.free_pages = lambda: free
+        for li in range(len(dc.sparse_layers)):        # a late write into free blocks 100 and 40, and the held block
+            host.k[li][:, 100] = 1.0
+            host.v[li][:, 40] = 2.0
+            host.k[li][:, held] = 5.0
+        assert {100, 40, held} <= set(host.resident_pages().tolist())
+        res = ds._sweep_idle()
+        assert res == host.resident_bytes() > 0
+        left = set(host.resident_pages().tolist())
+        assert 100 not in left and 40 not in left and held in left
+        assert float(host.k[0][0, held].sum()) == 5.0 * host.k[0][0, held].numel()
+        assert float(host.k[0][0, 100].abs().sum()) == 0.0 and ds.swept_bytes > 0
+        # what stays shares the held block's OS pages (256 B pieces: 16 blocks to an OS page)
+        assert left <= set(range(held - 16, held + 17)) and ds._sweep_idle() == res
+    finally:
+        ds.close()
+        ps.close()

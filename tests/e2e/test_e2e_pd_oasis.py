@@ -16,6 +16,9 @@ One deployment (budget 512, block 8) for all four:
 - more requests than the prefill node has request rows: its pages are leased and freed when the
   decode node releases them (else the later requests would wait for the lease to expire);
 - a needle at budget 512 through the router (6000 tokens), >= 4x less at admission;
+- the prefill process stopped (SIGSTOP) for a lease length mid-decode: its requests end with an
+  error and the decode node's host tier goes back to what it held before, also after a further
+  round;
 - the prefill process killed mid-decode: the request ends with an error, the decode node's
   /health stays 200 and it serves a request from a new prefill node;
 - then the decode process killed mid-decode: the prefill node frees the request's lease within
@@ -33,6 +36,7 @@ EAGLE-3 on both nodes (the draft model's KV crosses whole): greedy output equals
 import concurrent.futures as cf
 import os
 import re
+import threading
 import time
 
 import pytest
@@ -207,6 +211,74 @@ def test_needles_through_router_at_budget_512(tok, pd, tokens, depth):
     assert rel, "no release line for the needle request"
     held, whole, less = float(rel[-1][0]), float(rel[-1][1]), float(rel[-1][2])
     assert less >= 2.0 and held < whole / 2, rel[-1]
+
+
+def _idle_resident(log: str) -> list[str]:
+    """The host tier's resident memory logged at each release that left no request held."""
+    return [m[3] for m in RELEASED.findall(log) if m[4] == "0" and m[3] != "-"]
+
+
+def _two_at_once(url, base, n_new, out):
+    """Two 1600-token requests sent together (same length: they end in the same step)."""
+    def one(i):
+        body = {"input_ids": [base + i + j % 50 for j in range(1600)],
+                "sampling_params": {"max_new_tokens": n_new, "ignore_eos": True}}
+        out[i] = _post_quietly(url + "/generate", body)
+    ts = [threading.Thread(target=one, args=(i,)) for i in range(2)]
+    for t in ts:
+        t.start()
+    return ts
+
+
+def test_a_stopped_prefill_node_leaves_no_host_memory_behind(pd):
+    """SIGSTOP the prefill node for 15 s (its lease length) while two requests decode from it:
+    both end with an error (a READ did not end within ``pd_read_timeout_s``), the decode node
+    stays healthy, and once it holds no request again its host tier holds what it held before,
+    also after a further round of two requests ending in one step (SGLang frees them in one
+    free group; their blocks share OS pages once its free list is shuffled: the tier had grown
+    by 3-28 MiB per round before the group's pages counted as free)."""
+    import psutil
+
+    mark = len(pd.dc.log())
+    generate_ids(pd.url, [300 + j % 40 for j in range(100)], 2)
+    for _ in range(30):
+        before = _idle_resident(pd.dc.log()[mark:])
+        if before:
+            break
+        time.sleep(1)
+    assert before, "no idle release line"
+    n0, out = len(ADMITTED.findall(pd.dc.log())), {}
+    ts = _two_at_once(pd.url, 400, 160, out)
+    t0 = time.time()
+    while len(ADMITTED.findall(pd.dc.log())) < n0 + 2:
+        assert time.time() - t0 < 300, "the two requests were not admitted"
+        time.sleep(0.5)
+    time.sleep(2)
+    procs = [psutil.Process(pd.pf.proc.pid)]
+    procs += procs[0].children(recursive=True)
+    for p in procs:
+        p.suspend()
+    try:
+        time.sleep(CFG["pd_lease_s"] - 1)
+        assert requests.get(pd.dc.url + "/health", timeout=30).status_code == 200
+    finally:
+        for p in procs:
+            p.resume()
+    for t in ts:
+        t.join(600)
+    log = pd.dc.log()[mark:]
+    assert "its prefill node was lost" in log, out
+    ts = _two_at_once(pd.url, 500, 40, out)
+    for t in ts:
+        t.join(600)
+    assert out == {0: 200, 1: 200}, out
+    for _ in range(30):
+        after = _idle_resident(pd.dc.log()[mark:])
+        if len(after) > len(before):
+            break
+        time.sleep(1)
+    assert after[-1] == before[0], (before, after)
+    assert requests.get(pd.dc.url + "/health", timeout=30).status_code == 200
 
 
 def test_prefill_killed_mid_decode(model, tok, pd):

@@ -177,3 +177,29 @@ def test_the_hook_refuses_what_oasis_cannot_serve(oasis_args):
         init_attention_backends_hook(None, _runner(oasis_args, layers=2))
     with pytest.raises(OasisConfigError, match="pipeline parallelism"):
         init_attention_backends_hook(None, _runner(oasis_args, start_layer=1))
+
+
+def test_free_pages_include_sglangs_open_free_group():
+    """SGLang frees a batch's finished requests in one free group and lists their pages as free
+    only at its end, after OasisKV's release hook ran for each: ``free_pages_of`` counts the
+    group's pages (``free`` and ``free_segment``) as free, so two requests ending in one step
+    give back the OS pages their blocks share."""
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+
+    from oasis_sglang.sglang_glue.install import free_pages_of
+
+    ps = 4
+    a = PagedTokenToKVPoolAllocator(16 * ps, ps, torch.int64, "cpu", kvcache=None, need_sort=True)
+    before = set(free_pages_of(a).tolist())
+    taken = a.free_pages[:3].clone()
+    a.free_pages = a.free_pages[3:]
+    assert set(free_pages_of(a).tolist()) == before - set(taken.tolist())
+    a.free_group_begin()
+    a.free(taken[0] * ps + torch.arange(ps))                           # a request's page, token slots
+    a.free_segment(taken[1] * ps + torch.arange(2 * ps), start_pos=0)  # and two pages (page reps)
+    got = set(free_pages_of(a).tolist())
+    listed = set(torch.cat([a.free_pages, a.release_pages]).tolist())
+    assert {int(taken[0]), int(taken[1]), int(taken[1]) + 1} <= got
+    assert int(taken[0]) not in listed                                 # SGLang's lists: not yet
+    a.free_group_end()
+    assert set(free_pages_of(a).tolist()) == got == set(torch.cat([a.free_pages, a.release_pages]).tolist())
