@@ -23,7 +23,7 @@ one after the other on the same GPU. ``python -m sglang.bench_serving`` sends th
 Suites (``all``: throughput, concurrency, context, short, stall; ``plan()`` says exactly what
 each runs). The throughput / context runs of one system share one server (``server_groups``;
 ``--separate-servers`` starts one per run):
-  throughput   dense with the KV pool of an 80 GB GPU (``--mem-fraction-static 0.475``: 22
+  throughput   dense with the KV pool of an 80 GB GPU (``--mem-fraction-static 0.475`` on the H200: 22
                requests of 16K) vs oasis with a host tier of ``--host-gib`` GiB, at 16K and 32K
   concurrency  the most requests each of those keeps running at once
   fetch-cap    oasis at 16K for each of ``--fetch-caps`` (paper Table 2)
@@ -72,8 +72,44 @@ SERVING = {"output_tok_s": r"Output token throughput \(tok/s\):\s+([\d.]+)",
            "completed": r"Successful requests:\s+(\d+)"}
 EAGLE = ["--speculative-algorithm", "EAGLE3", "--speculative-num-steps", "1", "--speculative-eagle-topk", "1",
          "--speculative-num-draft-tokens", "2"]
-# the KV pool an 80 GB GPU holds for Qwen3-8B (issue 5; 367,922 tokens on the H200)
+# the KV pool an 80 GB GPU holds for Qwen3-8B (issue 5; 367,922 tokens on the H200): this share
+# of the H200's 143,771 MiB; on another GPU the share of its memory that leaves the same bytes
 DENSE_80GB_MEM_FRACTION = 0.475
+H200_MIB = 143_771
+
+
+def _gpu0() -> tuple[str, float] | None:
+    """``(name, total MiB)`` of GPU 0 from ``nvidia-smi`` (no CUDA context in this process: it
+    would take GPU memory from the servers), or ``None``."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader,nounits",
+                              "-i", "0"], capture_output=True, text=True, timeout=30).stdout.strip()
+        name, mib = out.rsplit(",", 1)
+        return name.strip(), float(mib)
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return None
+
+
+def dense_80gb_mem_fraction(total_mib: float | None = None) -> float:
+    """``--mem-fraction-static`` that gives dense the KV pool of an 80 GB GPU on this GPU
+    (``total_mib``: its memory, default GPU 0's; 0.475 on the H200, 0.837 on an H100 80 GB;
+    at most 0.9). Without a GPU: 0.475."""
+    if total_mib is None:
+        g = _gpu0()
+        if g is None:
+            return DENSE_80GB_MEM_FRACTION
+        total_mib = g[1]
+    return round(min(0.9, DENSE_80GB_MEM_FRACTION * H200_MIB / total_mib), 3)
+
+
+def gpu_name() -> str:
+    """GPU 0's name (``nvidia-smi``), or ``"no GPU"``."""
+    g = _gpu0()
+    return g[0] if g else "no GPU"
+
+
 QWEN3_8B_KV_BYTES_PER_TOKEN = 36 * 8 * 128 * 2 * 2        # layers x KV heads x head_dim x (K, V) x bf16
 KV_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")               # --kv-dtype: SGLang's --kv-cache-dtype for every server
 
@@ -195,7 +231,7 @@ def system_args(run: Run, a) -> list[str]:
     if run.kv_dtype != "auto":
         args += ["--kv-cache-dtype", run.kv_dtype]
     if run.pool == "80gb":
-        args += ["--mem-fraction-static", str(DENSE_80GB_MEM_FRACTION)]
+        args += ["--mem-fraction-static", str(dense_80gb_mem_fraction())]
     else:
         args += ["--max-total-tokens", str((run.host_requests or run.batch) * ctx)]
     if name.startswith("dense"):
@@ -520,9 +556,9 @@ def _dense_of(r: dict, by: dict) -> dict | None:
 def tables(results: list[dict], a) -> str:
     """Markdown: one table per suite present in ``results``, with the issue-5 ratios."""
     by = {r["key"]: r for r in results}
-    md = [f"Qwen3-8B-shaped dummy (random weights: speed only), H200; oasis budget {a.budget}, predictor "
+    md = [f"Qwen3-8B-shaped dummy (random weights: speed only), {gpu_name()}; oasis budget {a.budget}, predictor "
           f"{a.predictor or 'default'}, {'eager' if a.eager else 'decode CUDA graphs'}; dense KV pool "
-          f"--mem-fraction-static {DENSE_80GB_MEM_FRACTION} (80 GB GPU) where marked 80gb; oasis host tier "
+          f"--mem-fraction-static {dense_80gb_mem_fraction()} (80 GB GPU) where marked 80gb; oasis host tier "
           f"{a.host_gib} GiB unless sized to the batch; KV cache dtype {getattr(a, 'kv_dtype', 'auto')}."
           + (f" Oasis predictions replay the churn profile {a.churn} (OASIS_CHURN, core/churn.py)."
              if getattr(a, "churn", None) else " Random-weight churn (about the whole cap every step)."), ""]

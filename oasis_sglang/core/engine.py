@@ -154,6 +154,61 @@ class OasisSparseKV:
             "host_tier": L * pages * cfg.block_size * head_num * (head_dim + v_head_dim) * dtype_bytes,
         }
 
+    @staticmethod
+    def token_capacity(cfg: OasisConfig, device_bytes: int, dense_cell_bytes: int, host_bytes: int | None,
+                       num_layers: int, num_rows: int, head_num: int, head_dim: int, v_head_dim: int,
+                       dtype_bytes: int, summary_dtype_bytes: int | None = None) -> dict:
+        """How many tokens of KV cache (SGLang's ``max_total_num_tokens``) fit when the sparse
+        layers' KV lives in the host tier: SGLang sizes its pool as if every layer's KV were on
+        the device (``model_executor/pool_configurator.py``: ``device_bytes // cell_size``), which
+        caps OasisKV at a dense server's tokens on the device it has (22 x 16K of Qwen3-8B on an
+        80 GB GPU, where the host tier could hold 41).
+
+        Per token, the device keeps the dense layers' KV, a draft model's KV (both in SGLang's
+        ``dense_cell_bytes``) and the summaries (``2 / block_size`` of the sparse layers' keys);
+        the host tier the sparse layers' K and V. The working set is per request row, not per
+        token: it comes off the device budget first.
+
+        Args:
+            device_bytes: SGLang's device budget for the KV cache (bytes, after weights and its
+                activation reserve). dense_cell_bytes: SGLang's bytes per token with every
+                layer on the device (its ``cell_size``, draft model included).
+            host_bytes: host memory the tier may take on this rank (bytes); ``None``: the
+                device and the host are one memory (CPU): the host tier counts against
+                ``device_bytes``.
+            num_rows: request rows (``--max-running-requests`` + 1). Others: ``memory_plan``'s.
+        Returns:
+            ``{"tokens", "device_cell", "host_cell", "working_set", "limit"}``: tokens (a
+            multiple of ``block_size``), device and host bytes per token, working-set bytes,
+            and which memory bounds it (``"device"`` or ``"host"``).
+        Raises:
+            ValueError: the working set alone does not fit ``device_bytes``, or the host tier
+                has room for no block (naming ``budget_tokens`` / ``--max-running-requests``).
+        """
+        bs = cfg.block_size
+        plan = OasisSparseKV.memory_plan(cfg, num_layers, bs, num_rows, head_num, head_dim, v_head_dim,
+                                         dtype_bytes, summary_dtype_bytes)
+        L = num_layers - len([x for x in cfg.dense_layers if x < num_layers])
+        host_block = plan["host_tier"]                                      # one block, every sparse layer
+        sparse_cell = L * head_num * (head_dim + v_head_dim) * dtype_bytes  # per token, as SGLang counts it
+        dev_block = max(0, dense_cell_bytes * bs - sparse_cell * bs) + plan["summaries"]
+        ws = plan["working_set"]
+        if ws >= device_bytes:
+            raise ValueError(f"the working set ({ws / 2**30:.2f} GiB: budget_tokens={cfg.budget_tokens} x "
+                             f"{num_rows} request rows) does not fit the KV cache's device budget "
+                             f"({device_bytes / 2**30:.2f} GiB); lower budget_tokens or --max-running-requests")
+        if host_bytes is None:
+            blocks, limit = (device_bytes - ws) // (dev_block + host_block), "device"
+        else:
+            by_dev = (device_bytes - ws) // max(1, dev_block)
+            by_host = max(0, host_bytes) // host_block
+            blocks, limit = (by_dev, "device") if by_dev <= by_host else (by_host, "host")
+        if blocks < 1:
+            raise ValueError(f"no block of KV cache fits the {limit} memory left (host tier "
+                             f"{host_block} bytes per block of {bs} tokens)")
+        return {"tokens": int(blocks) * bs, "device_cell": dev_block / bs, "host_cell": host_block / bs,
+                "working_set": ws, "limit": limit}
+
     @property
     def ops(self) -> BaseKVOps:
         """The kernels (``core.ops.BaseKVOps``), shared with the prefetch stages; fixed at construction."""

@@ -26,6 +26,10 @@ HOOKS: tuple[Hook, ...] = (
     Hook("sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._build_mha_kv_pool", "AROUND",
          "oasis_sglang.sglang_glue.pool:build_mha_kv_pool_hook",
          "build OasisKVPool (sparse layers' KV in the host tier) instead of MHATokenToKVPool"),
+    Hook("sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator.config_from_budget", "AROUND",
+         "oasis_sglang.sglang_glue.pool:config_from_budget_hook",
+         "size the KV cache by OasisKV's device and host shares per token (SGLang counts every layer on the "
+         "device and caps --max-total-tokens to that)"),
     Hook("sglang.srt.model_executor.model_runner.ModelRunner.init_attention_backends", "AFTER",
          "oasis_sglang.sglang_glue.install:init_attention_backends_hook",
          "create the OasisKV state and wrap the attention backend"),

@@ -156,3 +156,72 @@ def build_mha_kv_pool_hook(original, self, *args, **kwargs):
         return original(self, *args, **kwargs)      # the draft model keeps SGLang's own pool
     kwargs["mha_pool_class"] = functools.partial(OasisKVPool, oasis_cfg=cfg)
     return original(self, *args, **kwargs)
+
+
+def config_from_budget_hook(original, self, budget_bytes, *args, **kwargs):
+    """AROUND ``KVCacheConfigurator.config_from_budget``: size the KV cache by what OasisKV keeps
+    where (``OasisSparseKV.token_capacity``), not as if every layer lived on the device.
+
+    SGLang turns its device budget into tokens at its per-token size with every layer's KV
+    (``pool_configurator.py``) and then lowers ``--max-total-tokens`` to that: on an 80 GB GPU
+    OasisKV could hold no more requests than dense (22 x 16K of Qwen3-8B; the H200 had hidden
+    it). Here the budget SGLang's configurator sees is the one that gives OasisKV's capacity at
+    its own cell size: the device holds the dense layers', a draft model's and the summaries'
+    share of each token plus the working set; the host tier (pinned) the sparse layers', up to
+    ``HOST_SHARE`` of the host memory available now (split over the TP ranks on the host). The
+    user's ``--max-total-tokens`` still caps it (SGLang applies it after). The draft model's
+    worker and a server without ``--kv-sparse oasis`` are unchanged; on a CPU the host tier
+    and the device budget are one memory.
+
+    Raises:
+        OasisConfigError: the working set does not fit the device budget, naming the flags.
+    """
+    import logging
+
+    from ..config import OasisConfigError
+    from ..core import OasisSparseKV
+    from .server_args import oasis_config
+
+    cfg = oasis_config(self.server_args)
+    if cfg is None or getattr(self, "is_draft_worker", False):
+        return original(self, budget_bytes, *args, **kwargs)
+    from sglang.srt.model_executor.pool_configurator import create_memory_pool_configurator
+
+    conf = create_memory_pool_configurator(self)
+    cell = int(getattr(conf, "_cell_size", 0) or 0)
+    if not cell:
+        return original(self, budget_bytes, *args, **kwargs)
+    sa, mc = self.server_args, self.model_config
+    tp = max(1, int(getattr(sa, "tp_size", 1) or 1))
+    nnodes = max(1, int(getattr(sa, "nnodes", 1) or 1))
+    rows = int(sa.max_running_requests or 1) + 1             # SGLang's ReqToTokenPool: size + 1 rows
+    if str(getattr(sa, "disaggregation_mode", "null")) == "decode":      # and a PD decode node's pre-allocated
+        rows += int(getattr(sa, "disaggregation_decode_extra_slots", 0) or 0)
+    from oasis_sglang.core.kv_dtype import is_fp8
+
+    kvb = torch.empty((), dtype=self.kv_cache_dtype).element_size()
+    sb = torch.empty((), dtype=self.model_dtype).element_size() if is_fp8(self.kv_cache_dtype) else kvb
+    host = None
+    if torch.device(self.device).type != "cpu":
+        import psutil
+
+        host = int(HOST_SHARE * psutil.virtual_memory().available) // max(1, tp // nnodes)
+    try:
+        cap = OasisSparseKV.token_capacity(
+            cfg, int(budget_bytes), cell, host, num_layers=mc.num_hidden_layers, num_rows=rows,
+            head_num=mc.get_num_kv_heads(tp), head_dim=mc.head_dim,
+            v_head_dim=getattr(mc, "v_head_dim", None) or mc.head_dim, dtype_bytes=kvb, summary_dtype_bytes=sb)
+    except ValueError as e:
+        raise OasisConfigError(f"--kv-sparse oasis: {e}") from None
+    dense = int(budget_bytes) // cell
+    logging.getLogger(__name__).info(
+        "OasisKV: KV cache sized to %d tokens by the %s memory (a dense pool would hold %d on this device): "
+        "device %.1f KiB per token (dense layers, draft, summaries) + working set %.2f GiB, host tier %.1f KiB "
+        "per token%s", cap["tokens"], cap["limit"], dense, cap["device_cell"] / 1024, cap["working_set"] / 2**30,
+        cap["host_cell"] / 1024, "" if host is None else f" (up to {host / 2**30:.1f} GiB of host memory)")
+    return original(self, cap["tokens"] * cell, *args, **kwargs)
+
+
+# the most of the host memory available at start-up the host tier may take by default (pinned;
+# the rest stays for the server's own processes and the OS); --max-total-tokens sets it exactly
+HOST_SHARE = 0.85

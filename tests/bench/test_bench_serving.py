@@ -564,3 +564,12 @@ def test_deadline_estimates_leave_the_server_start_out_and_scale_by_tokens_prefi
     assert bench.estimate_run_s(r32, took, tok, 0.0, 150.0) == pytest.approx(61.0 * 21 * 32768 / (158 * 4096))
     assert bench.estimate_run_s(R("x", "oasis", 1024, 256, 8), took, tok, 0.0, 150.0) == 61.0, "at least 1x"
     assert bench.estimate_run_s(d, took, tok, 90.0, 150.0) == 150.0, "another system: nothing timed"
+
+
+def test_the_80gb_dense_pool_is_the_same_bytes_on_any_gpu(bench):
+    """Dense's "80gb" pool: 0.475 of the H200 (the stored baselines), the share of another GPU's
+    memory that leaves the same bytes (an H100 80 GB: 0.837), at most 0.9."""
+    f = bench.dense_80gb_mem_fraction
+    assert f(143_771) == 0.475 and f(81_559) == 0.837 and f(40_000) == 0.9
+    for mib in (143_771, 81_559, 97_871):
+        assert abs(f(mib) * mib - 0.475 * 143_771) < 0.001 * mib

@@ -94,12 +94,19 @@ def test_dense_steps_equal_the_full_path_through_the_budget(seed, predictor):
 
 class _Kernel9Ops(TorchKVOps):
     """The torch ops with the dense path's update by kernel 9 (``kernels.dense_plan``, under
-    Triton's interpreter on CPU): the other Triton kernels need a head_dim of 16 or more."""
+    Triton's interpreter on CPU; on a CUDA host compiled, its tensors copied to the GPU and its
+    results back): the other Triton kernels need a head_dim of 16 or more."""
 
     def dense_plan(self, *args):
         from oasis_sglang.kernels.dense_plan import dense_plan
 
-        dense_plan(*args)
+        if not torch.cuda.is_available():
+            return dense_plan(*args)
+        dev = [a.cuda() if isinstance(a, torch.Tensor) else a for a in args]
+        dense_plan(*dev)
+        for a, d in zip(args, dev):             # ids, last_used, counters change in place
+            if isinstance(a, torch.Tensor):
+                a.copy_(d.cpu())
 
 
 @pytest.mark.parametrize("predictor", ["previous", "current"])

@@ -158,6 +158,43 @@ def test_memory_plan_matches_allocation(seed):
     assert plan == {"working_set": eng.ws.nbytes, "summaries": eng.summaries.nbytes, "host_tier": eng.host.nbytes}
 
 
+def test_token_capacity_fills_the_device_and_the_host_by_what_each_keeps(seed):
+    """``token_capacity``: the tokens whose device share (dense layers, summaries) plus the
+    working set fit the device budget and whose host tier fits the host budget, whichever is
+    less, checked against ``memory_plan`` (what the engine allocates); with one memory (CPU)
+    both shares come off one budget; a working set that does not fit is refused by name."""
+    cfg = OasisConfig(budget_tokens=64, block_size=16, dense_layers=(0, 1))
+    L, H, D, rows, kvb = 36, 8, 128, 42, 2
+    cell = L * H * 2 * D * kvb                           # SGLang's bytes per token, every layer on the device
+    dense = (2 * cell // L)                              # the two dense layers
+    for dev_tokens, host in ((368_624, 4000 * 2**30), (368_624, 20 * 2**30), (50_000, None)):
+        dev = dev_tokens * cell
+        c = OasisSparseKV.token_capacity(cfg, dev, cell, host, L, rows, H, D, D, kvb)
+        n = c["tokens"]
+        assert n % 16 == 0 and n > 0
+        plan = OasisSparseKV.memory_plan(cfg, L, n, rows, H, D, D, kvb)
+        assert c["working_set"] == plan["working_set"] and c["host_cell"] * n == plan["host_tier"]
+        on_dev = plan["working_set"] + plan["summaries"] + n * dense
+        if host is None:                                 # one memory: everything from one budget
+            one = OasisSparseKV.memory_plan(cfg, L, 16, rows, H, D, D, kvb)       # one block more would not fit
+            assert on_dev + plan["host_tier"] <= dev < on_dev + plan["host_tier"] + one["summaries"] \
+                + one["host_tier"] + 16 * dense
+            assert c["limit"] == "device" and n < dev_tokens        # the summaries and the working set cost
+            continue
+        assert on_dev <= dev and plan["host_tier"] <= host
+        if c["limit"] == "host":
+            assert host - plan["host_tier"] < 16 * c["host_cell"]  # the host is full to a block
+        else:
+            assert dev - on_dev < 16 * c["device_cell"]
+        assert n > dev_tokens or c["limit"] == "host"    # more than SGLang's dense count unless the host bounds it
+    assert OasisSparseKV.token_capacity(cfg, 368_624 * cell, cell, 4000 * 2**30, L, rows, H, D, D, kvb)["limit"] == "device"
+    assert OasisSparseKV.token_capacity(cfg, 368_624 * cell, cell, 20 * 2**30, L, rows, H, D, D, kvb)["limit"] == "host"
+    with pytest.raises(ValueError, match="budget_tokens=64 x 42 request rows"):
+        OasisSparseKV.token_capacity(cfg, 2**20, cell, None, L, rows, H, D, D, kvb)
+    with pytest.raises(ValueError, match="no block"):
+        OasisSparseKV.token_capacity(cfg, 368_624 * cell, cell, 1000, L, rows, H, D, D, kvb)
+
+
 def _state(eng):
     """Everything a refused call must leave as it was."""
     return (eng.stats.decode_steps, eng.stats.sync_steps, int(eng.clock), dict(eng.record.host or {}),

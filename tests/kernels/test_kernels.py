@@ -501,6 +501,8 @@ def test_dense_plan_falls_back_to_the_reference_when_its_first_launch_fails(seed
     rows, seq, clock = torch.tensor([1, 3]), torch.tensor([9, 13]), torch.tensor(5)
     want = [ids.clone(), lu.clone(), counters.clone()]
     REF.dense_plan(*want[:2], rows, seq, bs, True, clock, want[2], None)
+    ids, lu, counters = ids.to(DEV), lu.to(DEV), counters.to(DEV)      # the kernel's device (compiled on CUDA)
+    rows, seq, clock = rows.to(DEV).int(), seq.to(DEV), clock.to(DEV)
     calls = []
 
     def broken(*a, **k):
@@ -512,7 +514,7 @@ def test_dense_plan_falls_back_to_the_reference_when_its_first_launch_fails(seed
     with caplog.at_level("ERROR"):
         ops.dense_plan(ids, lu, rows, seq, bs, True, clock, counters, None)
     assert ops.dense_plan_kernel_ok is False and "kernel 9" in caplog.text and len(calls) == 1
-    assert torch.equal(ids, want[0]) and torch.equal(lu, want[1]) and torch.equal(counters, want[2])
+    assert torch.equal(ids.cpu(), want[0]) and torch.equal(lu.cpu(), want[1]) and torch.equal(counters.cpu(), want[2])
     ops.dense_plan(ids.clone(), lu.clone(), rows, seq, bs, True, clock, counters.clone(), None)
     assert len(calls) == 1, "the reference from then on"
     ok = tops.TritonKVOps()
