@@ -205,8 +205,14 @@ class HostTier:
             OSError: ``mincore`` failed."""
         if not self.on_demand:
             return self.nbytes
-        libc, n = _libc(), 0
-        for _, buf, _pb in self._buffers():
+        return sum(int(res.sum()) * OS_PAGE for _, _, res, _ in self._resident_os_pages())
+
+    def _resident_os_pages(self):
+        """Per non-empty K / V buffer: ``(buffer, piece bytes, res, offset)``, ``res`` ``[n]``
+        bool the OS pages spanning it that are resident (``mincore``), ``offset`` the buffer's
+        start within the first of them (bytes). Raises OSError when ``mincore`` fails."""
+        libc = _libc()
+        for _, buf, pb in self._buffers():
             size = buf.numel() * buf.element_size()
             if not size:
                 continue
@@ -214,9 +220,8 @@ class HostTier:
             npg = -(-(buf.data_ptr() + size - a) // OS_PAGE)
             vec = (ctypes.c_ubyte * npg)()
             if libc.mincore(a, npg * OS_PAGE, vec) != 0:
-                raise OSError(ctypes.get_errno(), "HostTier.resident_bytes: mincore failed")
-            n += int((torch.frombuffer(vec, dtype=torch.uint8) & 1).sum()) * OS_PAGE
-        return n
+                raise OSError(ctypes.get_errno(), "HostTier: mincore failed")
+            yield buf, pb, (torch.frombuffer(vec, dtype=torch.uint8) & 1).bool(), buf.data_ptr() - a
 
     def resident_pages(self) -> torch.Tensor:
         """``[N]`` int64 host pages (sorted) any of whose pieces (any layer, K or V, KV head)
@@ -229,19 +234,10 @@ class HostTier:
         P = self.num_pages
         if not self.on_demand:
             return torch.arange(P, dtype=torch.int64)
-        libc, hit = _libc(), torch.zeros(P, dtype=torch.bool)
-        for _, buf, pb in self._buffers():
-            size = buf.numel() * buf.element_size()
-            if not size:
-                continue
-            a = buf.data_ptr() // OS_PAGE * OS_PAGE
-            npg = -(-(buf.data_ptr() + size - a) // OS_PAGE)
-            vec = (ctypes.c_ubyte * npg)()
-            if libc.mincore(a, npg * OS_PAGE, vec) != 0:
-                raise OSError(ctypes.get_errno(), "HostTier.resident_pages: mincore failed")
-            res = (torch.frombuffer(vec, dtype=torch.uint8) & 1).bool()
-            n = size // pb                                       # pieces: H * P
-            off = buf.data_ptr() - a + torch.arange(n, dtype=torch.int64) * pb
+        hit = torch.zeros(P, dtype=torch.bool)
+        for buf, pb, res, start in self._resident_os_pages():
+            n = buf.numel() * buf.element_size() // pb           # pieces: H * P
+            off = start + torch.arange(n, dtype=torch.int64) * pb
             first, last = off // OS_PAGE, (off + pb - 1) // OS_PAGE
             cs = torch.cat([torch.zeros(1, dtype=torch.int64), res.to(torch.int64).cumsum(0)])
             any_res = (cs[last + 1] - cs[first]) > 0
