@@ -217,8 +217,9 @@ def config_from_budget_hook(original, self, budget_bytes, *args, **kwargs):
     logging.getLogger(__name__).info(
         "OasisKV: KV cache sized to %d tokens by the %s memory (a dense pool would hold %d on this device): "
         "device %.1f KiB per token (dense layers, draft, summaries) + working set %.2f GiB, host tier %.1f KiB "
-        "per token%s", cap["tokens"], cap["limit"], dense, cap["device_cell"] / 1024, cap["working_set"] / 2**30,
-        cap["host_cell"] / 1024, "" if host is None else f" (up to {host / 2**30:.1f} GiB of host memory)")
+        "per token%s%s", cap["tokens"], cap["limit"], dense, cap["device_cell"] / 1024, cap["working_set"] / 2**30,
+        cap["host_cell"] / 1024, "" if host is None else f" (up to {host / 2**30:.1f} GiB of host memory)",
+        f"; --max-total-tokens {sa.max_total_tokens} caps it" if sa.max_total_tokens else "")
     return original(self, cap["tokens"] * cell, *args, **kwargs)
 
 
