@@ -890,6 +890,9 @@ class DecodeSide:
             except Exception as e:  # noqa: BLE001 - only memory is at stake
                 logger.warning("OasisKV PD: reading the free pages failed (%s); no idle sweep", e)
                 stray = stray[:0]
+            held = [a.pages for a in self.rows.values()]
+            if held and stray.numel():
+                stray = stray[~torch.isin(stray, torch.cat(held))]
             if stray.numel():
                 self.remote.wait_reads_into(stray)
                 n = host.discard(stray)
@@ -914,7 +917,11 @@ class DecodeSide:
             return pages
         near = (pages[:, None] + torch.arange(-(k - 1), k)[None, :]).reshape(-1)
         near = near[(near >= 0) & (near < host.num_pages)]
-        return torch.unique(torch.cat([pages, near[torch.isin(near, free)]]))
+        near = near[torch.isin(near, free)]
+        held = [a.pages for a in self.rows.values()]
+        if held:                # never a block an admitted request holds, whatever the free list says
+            near = near[~torch.isin(near, torch.cat(held))]
+        return torch.unique(torch.cat([pages, near]))
 
     def request_freed(self, row: int, pages: torch.Tensor | None, bootstrap: tuple | None, rid: str = "",
                       retracted: bool = False, tokens: int | None = None) -> None:

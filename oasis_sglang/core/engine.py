@@ -179,11 +179,14 @@ class OasisSparseKV:
             num_rows: request rows (``--max-running-requests`` + 1). Others: ``memory_plan``'s.
         Returns:
             ``{"tokens", "device_cell", "host_cell", "working_set", "limit"}``: tokens (a
-            multiple of ``block_size``), device and host bytes per token, working-set bytes,
-            and which memory bounds it (``"device"`` or ``"host"``).
+            multiple of ``block_size``; one block below what fits, as SGLang allocates one page
+            more than its pool's size), device and host bytes per token, working-set bytes, and
+            which memory bounds it (``"device"`` or ``"host"``).
         Raises:
-            ValueError: the working set alone does not fit ``device_bytes``, or the host tier
-                has room for no block (naming ``budget_tokens`` / ``--max-running-requests``).
+            ValueError: the working set does not fit ``device_bytes`` or leaves no room for a
+                block (naming ``--mem-fraction-static``, ``budget_tokens`` and
+                ``--max-running-requests``), or the host memory has room for no block. Every
+                layer dense (no host tier): the device alone bounds it.
         """
         bs = cfg.block_size
         plan = OasisSparseKV.memory_plan(cfg, num_layers, bs, num_rows, head_num, head_dim, v_head_dim,
@@ -193,19 +196,27 @@ class OasisSparseKV:
         sparse_cell = L * head_num * (head_dim + v_head_dim) * dtype_bytes  # per token, as SGLang counts it
         dev_block = max(0, dense_cell_bytes * bs - sparse_cell * bs) + plan["summaries"]
         ws = plan["working_set"]
+        fix = "raise --mem-fraction-static, or lower budget_tokens or --max-running-requests"
+        if device_bytes <= 0:
+            raise ValueError(f"SGLang left no device memory for the KV cache ({device_bytes} bytes); raise "
+                             f"--mem-fraction-static")
         if ws >= device_bytes:
             raise ValueError(f"the working set ({ws / 2**30:.2f} GiB: budget_tokens={cfg.budget_tokens} x "
                              f"{num_rows} request rows) does not fit the KV cache's device budget "
-                             f"({device_bytes / 2**30:.2f} GiB); lower budget_tokens or --max-running-requests")
-        if host_bytes is None:
-            blocks, limit = (device_bytes - ws) // (dev_block + host_block), "device"
-        else:
-            by_dev = (device_bytes - ws) // max(1, dev_block)
-            by_host = max(0, host_bytes) // host_block
-            blocks, limit = (by_dev, "device") if by_dev <= by_host else (by_host, "host")
+                             f"({device_bytes / 2**30:.2f} GiB, SGLang's --mem-fraction-static share after the "
+                             f"weights); {fix}")
+        by_dev = (device_bytes - ws) // max(1, dev_block + (host_block if host_bytes is None else 0))
+        by_host = max(0, host_bytes) // host_block if host_bytes is not None and host_block else None
+        blocks, limit = (by_dev, "device") if by_host is None or by_dev <= by_host else (by_host, "host")
+        blocks -= 1                     # SGLang allocates its pool's tokens plus one page (``size + page_size``)
         if blocks < 1:
-            raise ValueError(f"no block of KV cache fits the {limit} memory left (host tier "
-                             f"{host_block} bytes per block of {bs} tokens)")
+            if limit == "host":
+                raise ValueError(f"no block of KV cache fits the host memory available: a {bs}-token block takes "
+                                 f"{host_block / 2**10:.1f} KiB of host tier, {max(0, host_bytes) / 2**30:.2f} GiB "
+                                 f"are free for it; free host memory")
+            raise ValueError(f"no block of KV cache fits the device budget ({device_bytes / 2**30:.2f} GiB) after the "
+                             f"working set's {ws / 2**30:.2f} GiB (budget_tokens={cfg.budget_tokens} x {num_rows} "
+                             f"request rows); {fix}")
         return {"tokens": int(blocks) * bs, "device_cell": dev_block / bs, "host_cell": host_block / bs,
                 "working_set": ws, "limit": limit}
 

@@ -189,7 +189,11 @@ def free_pages_of(a):
     ps = int(getattr(a, "page_size", 1) or 1)
     parts = [t.reshape(-1).to("cpu", torch.int64) for t in (getattr(a, "free_pages", None),
                                                              getattr(a, "release_pages", None)) if t is not None]
-    group = list(getattr(a, "free_group", None) or []) + list(getattr(a, "free_page_reps_group", None) or [])
+    # only while a group is open: SGLang's free_group_end frees the group but keeps its list
+    # until the next free_group_begin, and by then its pages may have been handed out again
+    # (a breaker review: such a stale list had a release give back a live request's blocks)
+    group = [] if getattr(a, "is_not_in_free_group", True) else \
+        list(getattr(a, "free_group", None) or []) + list(getattr(a, "free_page_reps_group", None) or [])
     parts += [torch.div(t.reshape(-1).to("cpu", torch.int64), ps, rounding_mode="floor") for t in group]
     return torch.unique(torch.cat(parts)) if parts else torch.empty(0, dtype=torch.int64)
 

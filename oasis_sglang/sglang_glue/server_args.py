@@ -178,6 +178,10 @@ def handle_kv_sparse_args(args) -> OasisConfig:
         _cpu_tp_env(int(args.tp_size))
     if args.max_running_requests is not None and args.max_running_requests < 1:
         bad("--max-running-requests", f"must be >= 1, got {args.max_running_requests}")
+    mtt = getattr(args, "max_total_tokens", None)
+    if mtt is not None and mtt < cfg.block_size:
+        bad("--max-total-tokens", f"{mtt} holds no block: want at least block_size {cfg.block_size} tokens "
+            f"(--kv-sparse oasis runs SGLang's paged pool with page size = block_size)")
     cps = getattr(args, "chunked_prefill_size", None)
     if cps is not None and cps > 0 and cps % cfg.block_size:
         bad("--chunked-prefill-size", f"{cps} must be a multiple of block_size {cfg.block_size} (the page size)")

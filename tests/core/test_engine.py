@@ -161,38 +161,47 @@ def test_memory_plan_matches_allocation(seed):
 def test_token_capacity_fills_the_device_and_the_host_by_what_each_keeps(seed):
     """``token_capacity``: the tokens whose device share (dense layers, summaries) plus the
     working set fit the device budget and whose host tier fits the host budget, whichever is
-    less, checked against ``memory_plan`` (what the engine allocates); with one memory (CPU)
-    both shares come off one budget; a working set that does not fit is refused by name."""
+    less, checked against ``memory_plan`` (what the engine allocates, with SGLang's extra page);
+    with one memory (CPU) both shares come off one budget; every layer dense: no host bound;
+    what cannot fit is refused naming the flags."""
     cfg = OasisConfig(budget_tokens=64, block_size=16, dense_layers=(0, 1))
-    L, H, D, rows, kvb = 36, 8, 128, 42, 2
+    L, H, D, rows, kvb, bs = 36, 8, 128, 42, 2, 16
     cell = L * H * 2 * D * kvb                           # SGLang's bytes per token, every layer on the device
-    dense = (2 * cell // L)                              # the two dense layers
+    dense = 2 * cell // L                                # the two dense layers
     for dev_tokens, host in ((368_624, 4000 * 2**30), (368_624, 20 * 2**30), (50_000, None)):
         dev = dev_tokens * cell
         c = OasisSparseKV.token_capacity(cfg, dev, cell, host, L, rows, H, D, D, kvb)
         n = c["tokens"]
-        assert n % 16 == 0 and n > 0
-        plan = OasisSparseKV.memory_plan(cfg, L, n, rows, H, D, D, kvb)
-        assert c["working_set"] == plan["working_set"] and c["host_cell"] * n == plan["host_tier"]
-        on_dev = plan["working_set"] + plan["summaries"] + n * dense
+        assert n % bs == 0 and n > 0
+        plan = OasisSparseKV.memory_plan(cfg, L, n + bs, rows, H, D, D, kvb)      # SGLang: size + page_size
+        assert c["working_set"] == plan["working_set"] and c["host_cell"] * n == plan["host_tier"] - c["host_cell"] * bs
+        on_dev = plan["working_set"] + plan["summaries"] + (n + bs) * dense
+        one = OasisSparseKV.memory_plan(cfg, L, bs, rows, H, D, D, kvb)            # one block more would not fit
         if host is None:                                 # one memory: everything from one budget
-            one = OasisSparseKV.memory_plan(cfg, L, 16, rows, H, D, D, kvb)       # one block more would not fit
             assert on_dev + plan["host_tier"] <= dev < on_dev + plan["host_tier"] + one["summaries"] \
-                + one["host_tier"] + 16 * dense
+                + one["host_tier"] + bs * dense
             assert c["limit"] == "device" and n < dev_tokens        # the summaries and the working set cost
             continue
         assert on_dev <= dev and plan["host_tier"] <= host
         if c["limit"] == "host":
-            assert host - plan["host_tier"] < 16 * c["host_cell"]  # the host is full to a block
+            assert host - plan["host_tier"] < bs * c["host_cell"]  # the host is full to a block
         else:
-            assert dev - on_dev < 16 * c["device_cell"]
+            assert dev - on_dev < bs * c["device_cell"]
         assert n > dev_tokens or c["limit"] == "host"    # more than SGLang's dense count unless the host bounds it
     assert OasisSparseKV.token_capacity(cfg, 368_624 * cell, cell, 4000 * 2**30, L, rows, H, D, D, kvb)["limit"] == "device"
     assert OasisSparseKV.token_capacity(cfg, 368_624 * cell, cell, 20 * 2**30, L, rows, H, D, D, kvb)["limit"] == "host"
-    with pytest.raises(ValueError, match="budget_tokens=64 x 42 request rows"):
+    every = OasisConfig(budget_tokens=64, block_size=bs, dense_layers=tuple(range(L)))
+    c = OasisSparseKV.token_capacity(every, 1000 * cell, cell, 10 * 2**30, L, rows, H, D, D, kvb)
+    assert c["limit"] == "device" and c["tokens"] == (1000 // bs - 1) * bs and c["host_cell"] == 0      # no host tier
+    with pytest.raises(ValueError, match=r"budget_tokens=64 x 42 request rows.*--mem-fraction-static"):
         OasisSparseKV.token_capacity(cfg, 2**20, cell, None, L, rows, H, D, D, kvb)
-    with pytest.raises(ValueError, match="no block"):
+    with pytest.raises(ValueError, match="no block of KV cache fits the host memory"):
         OasisSparseKV.token_capacity(cfg, 368_624 * cell, cell, 1000, L, rows, H, D, D, kvb)
+    ws = OasisSparseKV.memory_plan(cfg, L, bs, rows, H, D, D, kvb)["working_set"]
+    with pytest.raises(ValueError, match="after the working set.*--mem-fraction-static"):
+        OasisSparseKV.token_capacity(cfg, ws + 10, cell, 10 * 2**30, L, rows, H, D, D, kvb)
+    with pytest.raises(ValueError, match="no device memory"):
+        OasisSparseKV.token_capacity(every, 0, cell, None, L, rows, H, D, D, kvb)
 
 
 def _state(eng):

@@ -19,7 +19,7 @@ pytest.importorskip("nixl")
 from oasis_sglang.disagg.serving import Admitted, DecodeSide, PrefillSide, lease_clock, set_side  # noqa: E402
 from oasis_sglang.disagg.admission import first_step_width, plan_from_mask, room_tag  # noqa: E402
 from oasis_sglang.disagg.transport import TierLayout  # noqa: E402
-from test_admission import BS, H, HQ, LAYERS, ROWS, TOKENS, D, decode, engine, locs, prefill, prefilled  # noqa: E402
+from test_admission import BS, H, HQ, LAYERS, ROWS, TOKENS, D, decode, engine, locs, prefill, prefilled  # noqa: E402,F401
 
 
 def pool_of(eng):
@@ -678,6 +678,57 @@ def test_the_idle_sweep_gives_back_free_blocks_left_resident_and_keeps_held_ones
         assert float(host.k[0][0, 100].abs().sum()) == 0.0 and ds.swept_bytes > 0
         # what stays shares the held block's OS pages (256 B pieces: 16 blocks to an OS page)
         assert left <= set(range(held - 16, held + 17)) and ds._sweep_idle() == res
+    finally:
+        ds.close()
+        ps.close()
+
+
+def test_a_release_after_sglangs_free_group_ended_keeps_a_new_requests_blocks(seed):
+    """Breaker review: SGLang's ``free_group_end`` frees a group's pages but keeps its list until
+    the next group begins. Pages of a request that ended in a group (A), handed to a new request
+    (Y) afterwards, must not count as free when another request (X) is released outside a
+    group: Y's blocks (2 KiB pieces, sharing OS pages with X's) keep their data and Y decodes
+    as the prefill node does."""
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+
+    from oasis_sglang.sglang_glue.install import free_pages_of
+
+    def toks(pages):
+        return (torch.as_tensor(pages)[:, None] * BS + torch.arange(BS)).reshape(-1)
+
+    pf, dc, ps, ds, dpool = make_sides(24)
+    try:
+        a = PagedTokenToKVPoolAllocator(TOKENS - BS, BS, torch.int64, "cpu", kvcache=None, need_sort=True)
+        a.alloc(TOKENS - BS)                                  # every page in use
+        a.free(toks(range(42, 48)))
+        a.free_group_begin()                                  # a decode step: request A ends
+        a.free(toks(range(32, 41)))
+        a.free_group_end()
+        y = a.alloc(9 * BS)                                   # request Y gets A's pages
+        assert sorted(set((y // BS).tolist())) == list(range(32, 41))
+        assert not bool(torch.isin(torch.arange(32, 41), free_pages_of(a)).any()), "a stale group counted free"
+        ds.free_pages = lambda: free_pages_of(a)
+        prompt, steps = 160, 50
+        n = prompt + steps
+        K, V, Q, rt_p, rt_d = prefilled(pf, prompt, steps)
+        ypages = torch.tensor(list(range(100, 105)) + list(range(32, 41)) + list(range(105, 105 + -(-n // BS) - 14)))
+        rt_d[2].zero_()
+        rt_d[2, :n] = toks(ypages)[:n].to(torch.int32)
+        npg = -(-prompt // BS)
+        src = torch.div(rt_p[1, :npg * BS:BS].long(), BS, rounding_mode="floor")
+        sglang_transfer(pf, dc, dpool, src, ypages[:npg])
+        ds.admit(2, rt_d[2], prompt, "prefill-host", 1, 3, "req-Y")
+        pf.reset_rows([1])
+        for t in range(prompt, prompt + 25):
+            torch.testing.assert_close(decode(dc, 2, rt_d, K, V, Q, t), decode(pf, 1, rt_p, K, V, Q, t),
+                                       rtol=1e-5, atol=1e-5)
+        before = [dc.host.k[0][:, p].clone() for p in range(32, 41)]
+        a.free(toks([41]))                                    # X ends outside a group (an abort, a retraction)
+        ds.request_freed(3, torch.tensor([41]), None, "req-X", tokens=BS)
+        assert all(torch.equal(b, dc.host.k[0][:, p]) for b, p in zip(before, range(32, 41)))
+        for t in range(prompt + 25, n):
+            torch.testing.assert_close(decode(dc, 2, rt_d, K, V, Q, t), decode(pf, 1, rt_p, K, V, Q, t),
+                                       rtol=1e-5, atol=1e-5, msg=f"step {t - prompt}")
     finally:
         ds.close()
         ps.close()

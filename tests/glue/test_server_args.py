@@ -95,6 +95,7 @@ def test_bad_combinations_name_the_flag(model, kw, key):
     (dict(kv_sparse_config='{"budget_tokens": 16384}'), "budget_tokens"),
     (dict(chunked_prefill_size=100), "--chunked-prefill-size"),
     (dict(max_running_requests=0), "--max-running-requests"),
+    (dict(max_total_tokens=4), "--max-total-tokens 4 holds no block"),
     (dict(kv_sparse_config='{"kernels": "triton"}'), "kernels"),
 ])
 def test_model_dependent_checks_fail_before_loading(model, kw, key):
