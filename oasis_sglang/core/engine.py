@@ -191,10 +191,8 @@ class OasisSparseKV:
         bs = cfg.block_size
         plan = OasisSparseKV.memory_plan(cfg, num_layers, bs, num_rows, head_num, head_dim, v_head_dim,
                                          dtype_bytes, summary_dtype_bytes)
-        L = num_layers - len([x for x in cfg.dense_layers if x < num_layers])
-        host_block = plan["host_tier"]                                      # one block, every sparse layer
-        sparse_cell = L * head_num * (head_dim + v_head_dim) * dtype_bytes  # per token, as SGLang counts it
-        dev_block = max(0, dense_cell_bytes * bs - sparse_cell * bs) + plan["summaries"]
+        host_block = plan["host_tier"]      # one block of every sparse layer: what SGLang's cell counts for them
+        dev_block = max(0, dense_cell_bytes * bs - host_block) + plan["summaries"]
         ws = plan["working_set"]
         fix = "raise --mem-fraction-static, or lower budget_tokens or --max-running-requests"
         if device_bytes <= 0:

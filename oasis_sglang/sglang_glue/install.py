@@ -183,7 +183,12 @@ def _free_pages(model_runner):
 
 
 def free_pages_of(a):
-    """``_free_pages`` for an allocator ``a`` (SGLang's ``BaseTokenToKVPoolAllocator``)."""
+    """``[F]`` int64 page ids (units of ``a.page_size`` tokens; unique, sorted) free in SGLang's
+    token allocator ``a`` (``mem_cache/allocator/base.py`` / ``paged.py``): its ``free_pages``
+    and ``release_pages`` lists, and while a free group is open (``free_group_begin`` ..
+    ``free_group_end``) the pages freed in it (``free_group``: token slots;
+    ``free_page_reps_group``: one slot per page). Reads only; raises nothing for an allocator
+    without those fields (they count as empty)."""
     import torch
 
     ps = int(getattr(a, "page_size", 1) or 1)

@@ -11,6 +11,7 @@
 
 import concurrent.futures as cf
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -279,3 +280,17 @@ def test_overlap_scheduler_matches_the_normal_loop(model, tok):
     for (p, m), g in zip(jobs, got["oasis_overlap"]):
         assert len(g) == m, f"prompt of {len(p)} tokens: {len(g)} tokens generated, {m} asked"
     assert_dense_or_near_tie([p for p, _ in jobs], got["oasis_no_overlap"], got["oasis_overlap"], "overlap_vs_normal_loop")
+
+
+def test_the_kv_cache_is_sized_by_what_oasis_keeps_where(oasis_512):
+    """The start-up sizing (``config_from_budget_hook``): SGLang's dense per-token size is not
+    what bounds OasisKV's pool; the line names the bound and the ``--max-total-tokens`` cap, and
+    SGLang's pool is that cap (65536, base_args)."""
+    log = oasis_512.log()
+    m = re.search(r"OasisKV: KV cache sized to (\d+) tokens by the (device|host) memory \(a dense pool would hold "
+                  r"(\d+) on this device\): device ([\d.]+) KiB per token .* host tier ([\d.]+) KiB per token"
+                  r".*; --max-total-tokens 65536 caps it", log)
+    assert m, "no sizing line"
+    assert int(m[1]) % 8 == 0 and int(m[1]) > 65536 and m[2] == "device"      # CPU: one memory
+    assert float(m[5]) == 28 * 3 * 64 * 2 * 4 / 1024                            # SmolLM2's sparse layers, fp32
+    assert re.search(r"max_total_num_tokens=65536\b", log)
