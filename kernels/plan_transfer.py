@@ -115,11 +115,27 @@ def _plan_transfer_kernel(Ids, LastUsed, Rows, Wanted, Forced, Step, Seq, ReqToT
 
 
 @triton.jit
-def _budget_candidates_kernel(Ids, Rows, Wanted, Forced, Out, stride_ir, stride_ih, stride_wb, stride_wh,
-                              H, K, C, cap, HAS_CAP: tl.constexpr, BLOCK_K: tl.constexpr):
+def _budget_candidates_kernel(Ids, Rows, Wanted, Forced, Out, Budget, stride_ir, stride_ih, stride_wb, stride_wh,
+                              H, K, C, cap, HAS_CAP: tl.constexpr, HAS_BUDGET: tl.constexpr, BLOCK_K: tl.constexpr):
     """One program per (request, KV head): the match of the plan kernel, then the positions of
-    the evicting, non-forced admissions the cap allows (``working_set.budget_candidates``)."""
+    the evicting, non-forced admissions the cap allows (``working_set.budget_candidates``).
+    An unlimited budget (``Budget < 0``) lists none and skips the match."""
     pid = tl.program_id(0)
+    idx = tl.arange(0, BLOCK_K)
+    obase = pid.to(tl.int64) * C
+    unlimited = False
+    if HAS_BUDGET:
+        unlimited = tl.load(Budget) < 0
+    if unlimited:
+        tl.store(Out + obase + idx, tl.full((BLOCK_K,), -1, tl.int32), mask=idx < C)
+    else:
+        _list_candidates(Ids, Rows, Wanted, Forced, Out, stride_ir, stride_ih, stride_wb, stride_wh,
+                         H, K, C, cap, pid, obase, HAS_CAP, BLOCK_K)
+
+
+@triton.jit
+def _list_candidates(Ids, Rows, Wanted, Forced, Out, stride_ir, stride_ih, stride_wb, stride_wh,
+                     H, K, C, cap, pid, obase, HAS_CAP: tl.constexpr, BLOCK_K: tl.constexpr):
     b = pid // H
     h = pid % H
     row = tl.load(Rows + b).to(tl.int64)
@@ -142,12 +158,11 @@ def _budget_candidates_kernel(Ids, Rows, Wanted, Forced, Out, stride_ir, stride_
     cand = missing & (rank >= tl.maximum(n_free, n_forced_missing)) & (rank < hi)
     j = tl.cumsum(cand.to(tl.int32), axis=0) - 1
     n = tl.sum(cand.to(tl.int32), axis=0)
-    obase = pid.to(tl.int64) * C
     tl.store(Out + obase + idx, tl.full((BLOCK_K,), -1, tl.int32), mask=(idx < C) & (idx >= n))
     tl.store(Out + obase + j, idx.to(tl.int32), mask=cand)
 
 
-def budget_candidates(ids, rows, wanted, forced, fetch_cap, num_warps: int = 8):
+def budget_candidates(ids, rows, wanted, forced, fetch_cap, budget=None, num_warps: int = 8):
     """Triton version of :meth:`TorchKVOps.budget_candidates` (same arguments and result).
 
     Raises:
@@ -158,13 +173,17 @@ def budget_candidates(ids, rows, wanted, forced, fetch_cap, num_warps: int = 8):
     assert ids.dtype == wanted.dtype == torch.int64 and forced.dtype == torch.bool
     assert ids.stride(2) == 1 and wanted.is_contiguous() and forced.is_contiguous() and rows.shape == (B,)
     assert rows.device == wanted.device == forced.device == ids.device
+    if budget is not None:
+        assert budget.numel() == 1 and budget.dtype == torch.int64 and budget.device == ids.device, budget
     C = K if fetch_cap is None else min(int(fetch_cap), K)
     out = torch.empty((B * H, C), dtype=torch.int32, device=ids.device)
     if B == 0 or H == 0:
         return out
     _budget_candidates_kernel[(B * H,)](
-        ids, rows.contiguous(), wanted, forced, out, ids.stride(0), ids.stride(1), wanted.stride(0), wanted.stride(1),
-        H, K, C, C, HAS_CAP=fetch_cap is not None, BLOCK_K=next_pow2(K), num_warps=num_warps)
+        ids, rows.contiguous(), wanted, forced, out, out if budget is None else budget,
+        ids.stride(0), ids.stride(1), wanted.stride(0), wanted.stride(1),
+        H, K, C, C, HAS_CAP=fetch_cap is not None, HAS_BUDGET=budget is not None, BLOCK_K=next_pow2(K),
+        num_warps=num_warps)
     return out
 
 

@@ -6,7 +6,8 @@ KV head)'s candidates, by position in its top-K list), its cumulative sum gives 
 position whose candidates all fit and what is left for the heads with a candidate there; two
 passes over the heads count those heads in the order rotated by the LRU clock (the tie-break)
 and write each head's share. One launch per layer instead of ~20, recordable in a CUDA graph (no
-host read). Exactly the reference's result (compared exactly).
+host read). Exactly the reference's result (compared exactly). An unlimited budget (``< 0``)
+writes ``C`` for every head without reading the lists (``budget_candidates`` lists none then).
 Reference: ``oasis_sglang.core.budget.share_budget``.
 """
 
@@ -26,6 +27,17 @@ __all__ = ["share_budget", "reference"]
 @triton.jit
 def _share_budget_kernel(Cand, Budget, Clock, Out, N, C, K,
                          BLOCK_E: tl.constexpr, NBINS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
+    if tl.load(Budget) < 0:           # unlimited: every head its whole list width, the lists unread
+        i = tl.arange(0, BLOCK_N)
+        for s in range(0, N, BLOCK_N):
+            tl.store(Out + s + i, tl.full((BLOCK_N,), C, tl.int32), mask=s + i < N)
+    else:
+        _share_finite(Cand, Budget, Clock, Out, N, C, K, BLOCK_E, NBINS, BLOCK_N, BLOCK_C)
+
+
+@triton.jit
+def _share_finite(Cand, Budget, Clock, Out, N, C, K,
+                  BLOCK_E: tl.constexpr, NBINS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr):
     # histogram of candidate positions (bin NBINS - 1 > K - 1 collects the padding)
     hist = tl.zeros((NBINS,), dtype=tl.int32)
     total = N * C
@@ -37,9 +49,7 @@ def _share_budget_kernel(Cand, Budget, Clock, Out, N, C, K,
     p = tl.arange(0, NBINS)
     hist = tl.where(p < K, hist, 0)
     cum = tl.cumsum(hist, axis=0).to(tl.int64)                          # candidates at positions <= p
-    n_all = tl.sum(hist.to(tl.int64), axis=0)
     b = tl.load(Budget)
-    b = tl.where(b < 0, n_all, b)
     full = tl.sum(((cum <= b) & (p < K)).to(tl.int64), axis=0)           # positions 0 .. full-1 fit whole
     below = tl.sum(tl.where(p == full - 1, cum, 0), axis=0)
     rest = b - below

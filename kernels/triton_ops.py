@@ -60,11 +60,11 @@ class TritonKVOps(BaseKVOps):
         """See :meth:`BaseKVOps.copy_blocks`; the grid is ``copy_programs`` (``kernels.copy_blocks``)."""
         copy_blocks(dst_k, dst_v, dst_idx, src_k, src_v, src_idx, self.copy_programs, counts=counts)
 
-    def budget_candidates(self, ids, rows, wanted, forced, fetch_cap):
+    def budget_candidates(self, ids, rows, wanted, forced, fetch_cap, budget=None):
         """See :meth:`BaseKVOps.budget_candidates` (``kernels.plan_transfer.budget_candidates``)."""
         if ids.shape[-1] > MAX_FUSED_PLAN_K:
-            return TorchKVOps.budget_candidates(self, ids, rows, wanted, forced, fetch_cap)
-        return budget_candidates(ids, rows, wanted, forced, fetch_cap)
+            return TorchKVOps.budget_candidates(self, ids, rows, wanted, forced, fetch_cap, budget)
+        return budget_candidates(ids, rows, wanted, forced, fetch_cap, budget)
 
     def share_budget(self, cand_pos, budget, clock, k):
         """See :meth:`BaseKVOps.share_budget` (``kernels.share_budget``: one program)."""

@@ -21,6 +21,7 @@ Used by ``oasis_sglang.bench.serving`` (bench_oasis's ``profile`` result field a
 from __future__ import annotations
 
 import argparse
+import bisect
 import gzip
 import json
 import math
@@ -145,7 +146,55 @@ def summarize(events: list[tuple[str, object, float, float]], steps: int) -> dic
             "idle_ms": per(window - busy), "busy_frac": busy / window if window > 0 else 1.0,
             "groups_ms": {g: per(v) for g, v in sorted(groups.items(), key=lambda kv: -kv[1])},
             "streams_ms": {s: per(v) for s, v in sorted(streams.items(), key=lambda kv: -kv[1])},
-            "other_top_ms": {k: per(v) for k, v in sorted(other.items(), key=lambda kv: -kv[1])[:OTHER_TOP]}}
+            "other_top_ms": {k: per(v) for k, v in sorted(other.items(), key=lambda kv: -kv[1])[:OTHER_TOP]},
+            "gaps": compute_gaps(events, steps)}
+
+
+GAP_MIN_US = 20.0      # compute-stream gaps at least this long are attributed (shorter: launch spacing)
+GAP_TOP = 10           # (kernel before, kernel after, released by) rows listed
+
+
+def compute_gaps(events: list[tuple[str, object, float, float]], steps: int) -> dict:
+    """Where the compute stream (the stream with the most kernel time) stands idle.
+
+    A gap is the time between one compute-stream kernel's end and the next one's start. Gaps of
+    at least ``GAP_MIN_US`` are attributed to the kernel of another stream that ended last
+    inside the gap (what the compute stream most likely waited for: a stage stream's event, or
+    the join at a CUDA-graph step's end); shorter gaps are launch spacing.
+
+    Returns ``{"stream", "gap_ms", "short_gap_ms", "long_gaps", "top": [(before, after,
+    released_by, ms per step, count per step)]}`` (kernel names cut to 60 characters; times
+    per step).
+    """
+    per_stream: dict[str, float] = {}
+    for _, st, _, d in events:
+        per_stream[str(st)] = per_stream.get(str(st), 0.0) + d
+    main = max(per_stream, key=per_stream.get)
+    mk = sorted(((s0, s0 + d, n) for n, st, s0, d in events if str(st) == main))
+    others = sorted(((s0 + d, n) for n, st, s0, d in events if str(st) != main))
+    ends = [e for e, _ in others]
+    short = long_ = 0.0
+    n_long = 0
+    top: dict[tuple[str, str, str], list[float]] = {}
+    for (a0, a1, an), (b0, _, bn) in zip(mk, mk[1:]):
+        g = b0 - a1
+        if g <= 0:
+            continue
+        if g < GAP_MIN_US:
+            short += g
+            continue
+        long_ += g
+        n_long += 1
+        i = bisect.bisect_right(ends, b0 + 1.0) - 1
+        rel = others[i][1] if i >= 0 and ends[i] > a1 else "(none: launch or host)"
+        key = (an[:60], bn[:60], rel[:60])
+        t = top.setdefault(key, [0.0, 0])
+        t[0] += g
+        t[1] += 1
+    per = lambda us: us / 1e3 / steps  # noqa: E731
+    rows = sorted(top.items(), key=lambda kv: -kv[1][0])[:GAP_TOP]
+    return {"stream": main, "gap_ms": per(short + long_), "short_gap_ms": per(short), "long_gaps": n_long / steps,
+            "top": [(k[0], k[1], k[2], per(v[0]), v[1] / steps) for k, v in rows]}
 
 
 def markdown(s: dict, title: str = "decode step") -> str:
@@ -161,6 +210,14 @@ def markdown(s: dict, title: str = "decode step") -> str:
     if s.get("other_top_ms"):
         md += ["", '| kernel in "other" | ms per step |', "|---|---|"]
         md += [f"| `{k.replace('|', '/')}` | {v:.3f} |" for k, v in s["other_top_ms"].items()]
+    g = s.get("gaps")
+    if g:
+        md += ["", f"Compute stream {g['stream']} idle: {g['gap_ms']:.3f} ms per step, of it "
+               f"{g['short_gap_ms']:.3f} ms in gaps under {GAP_MIN_US:.0f} us and {g['long_gaps']:.1f} longer gaps; "
+               "the longer ones by the kernels around them and the other stream's kernel that ended last in the gap:",
+               "", "| before | after | released by | ms per step | gaps per step |", "|---|---|---|---|---|"]
+        md += [f"| `{a.replace('|', '/')}` | `{b.replace('|', '/')}` | `{r.replace('|', '/')}` | {ms:.3f} | {n:.1f} |"
+               for a, b, r, ms, n in g["top"]]
     return "\n".join(md)
 
 

@@ -37,19 +37,27 @@ def share_budget(cand_pos: torch.Tensor, budget: torch.Tensor, clock: torch.Tens
         cand_pos: ``[N, C]`` int32 (``N = B * H``): per (request, KV head) its candidates'
             positions in its top-K list, increasing, ``-1`` padded (``ops.budget_candidates``).
         budget: 0-dim int64 device tensor, candidates this layer may admit this step (``< 0``:
-            unlimited).
+            unlimited: every head gets ``C``, so the plan admits what ``fetch_cap`` allows, the
+            same as planning without a budget; the candidate lists are then not read).
         clock: 0-dim int64 device tensor (the LRU clock): rotates the tie-break at the last rank.
         K: the top-K list length (positions are ``0 .. K-1``).
     Returns:
         ``[N]`` int32: how many of its first candidates each (request, KV head) admits. Every
         candidate at a position below the last admitted one is admitted; at that position the
         heads are taken in (index - clock) mod N order until the budget is spent. The sum is
-        ``min(budget, candidates)``. No host sync (recordable in a CUDA graph).
+        ``min(budget, candidates)`` for a budget ``>= 0``. No host sync (recordable in a CUDA graph).
     """
     N, C = cand_pos.shape
     dev = cand_pos.device
     if N == 0 or C == 0:
         return torch.zeros(N, dtype=torch.int32, device=dev)
+    return torch.where(budget < 0, C, _share_finite(cand_pos, budget, clock, K)).to(torch.int32)
+
+
+def _share_finite(cand_pos: torch.Tensor, budget: torch.Tensor, clock: torch.Tensor, K: int) -> torch.Tensor:
+    """``share_budget`` for a budget ``>= 0`` (a negative one is taken as every candidate)."""
+    N, C = cand_pos.shape
+    dev = cand_pos.device
     valid = cand_pos >= 0
     pos = torch.where(valid, cand_pos.long(), K)
     hist = torch.zeros(K + 1, dtype=torch.int64, device=dev).scatter_add_(0, pos.view(-1), torch.ones_like(pos.view(-1)))

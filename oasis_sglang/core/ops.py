@@ -92,12 +92,14 @@ class BaseKVOps:
         """
         raise NotImplementedError
 
-    def budget_candidates(self, ids, rows, wanted, forced, fetch_cap):
+    def budget_candidates(self, ids, rows, wanted, forced, fetch_cap, budget=None):
         """The admissions of one layer a step budget may refuse (``core.working_set.budget_candidates``).
 
         Args:
             ids: ``[R, H, K]`` int64 block table. rows: ``[B]``. wanted / forced: ``[B, H, K]``
                 from ``select_topk``. fetch_cap: the per-head ceiling (``None``: K).
+            budget: 0-dim int64 device tensor (``TransferBudget.blocks``) or ``None``; negative:
+                none listed (all ``-1``), the match skipped.
         Returns:
             ``[B*H, C]`` int32, ``C = min(fetch_cap, K)``: the candidates' positions in each
             (request, KV head)'s top-K list, increasing, ``-1`` padded. No host sync.
@@ -302,9 +304,9 @@ class TorchKVOps(BaseKVOps):
         dst_k[di] = src_k[si].to(dst_k.device, dst_k.dtype)
         dst_v[di] = src_v[si].to(dst_v.device, dst_v.dtype)
 
-    def budget_candidates(self, ids, rows, wanted, forced, fetch_cap):
+    def budget_candidates(self, ids, rows, wanted, forced, fetch_cap, budget=None):
         """Reference: ``core.working_set.budget_candidates``."""
-        return budget_candidates(ids, rows, wanted, forced, fetch_cap)
+        return budget_candidates(ids, rows, wanted, forced, fetch_cap, budget)
 
     def share_budget(self, cand_pos, budget, clock, k):
         """Reference: ``core.budget.share_budget``."""

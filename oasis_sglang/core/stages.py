@@ -97,7 +97,8 @@ class PrefetchStages:
                                                         self.ws.ids[li], self.cfg.fetch_cap)
         allow = None
         if self.budget is not None and self.budget.enabled:
-            cand = self.ops.budget_candidates(self.ws.ids[li], rows, wanted, forced, self.cfg.fetch_cap)
+            cand = self.ops.budget_candidates(self.ws.ids[li], rows, wanted, forced, self.cfg.fetch_cap,
+                                              self.budget.blocks)
             allow = self.ops.share_budget(cand, self.budget.blocks, clock, wanted.shape[-1])
         return self.ops.plan_transfer(self.ws.ids[li], self.ws.last_used[li], rows, wanted, forced, clock,
                                       self.cfg.fetch_cap, seq, rtt, self.cfg.block_size, self.host.num_pages,

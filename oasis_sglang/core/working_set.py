@@ -102,7 +102,7 @@ def _missing(ids: torch.Tensor, rows: torch.Tensor, wanted: torch.Tensor):
 
 
 def budget_candidates(ids: torch.Tensor, rows: torch.Tensor, wanted: torch.Tensor, forced: torch.Tensor,
-                      fetch_cap: int | None) -> torch.Tensor:
+                      fetch_cap: int | None, budget: torch.Tensor | None = None) -> torch.Tensor:
     """The admissions a step budget may refuse, for one layer (torch reference; paper eq. 3).
 
     Missing blocks are admitted in priority order (forced first, then by descending score):
@@ -114,6 +114,9 @@ def budget_candidates(ids: torch.Tensor, rows: torch.Tensor, wanted: torch.Tenso
     Args:
         ids: ``[R, H, K]`` block table. rows: ``[B]``. wanted / forced: ``[B, H, K]`` from
             ``select_blocks`` (priority order). fetch_cap: the per-head ceiling (``None``: K).
+        budget: 0-dim int64 tensor, the step budget's blocks per layer (``TransferBudget.blocks``);
+            negative (unlimited): no candidate is listed (``share_budget`` then gives every head
+            ``C`` without reading them; the kernel skips its block-table match). ``None``: listed.
     Returns:
         ``[B*H, C]`` int32, ``C = min(fetch_cap, K)``: per (request, KV head) the candidates'
         positions in ``wanted`` (their score rank within the head), increasing, ``-1`` padded.
@@ -127,7 +130,8 @@ def budget_candidates(ids: torch.Tensor, rows: torch.Tensor, wanted: torch.Tenso
     cand = missing & (rank >= torch.maximum(n_free, n_forced)) & (rank < n_free + C)
     pos = torch.arange(K, device=ids.device).expand(B, H, K)
     order = torch.where(cand, pos, pos + K).sort(-1).values[..., :C]          # candidates first, by position
-    return torch.where(order < K, order, -1).view(B * H, C).to(torch.int32)
+    out = torch.where(order < K, order, -1).view(B * H, C).to(torch.int32)
+    return out if budget is None else torch.where(budget < 0, -1, out)
 
 
 def plan_admissions(ids: torch.Tensor, last_used: torch.Tensor, rows: torch.Tensor, wanted: torch.Tensor,

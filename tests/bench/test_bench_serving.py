@@ -363,6 +363,29 @@ def test_profile_trace_splits_device_time(tmp_path):
     assert "| `void at::native::reduce_kernel<512, 1, or>` | 0.020 |" in pt.markdown(s)
 
 
+def test_profile_trace_attributes_the_compute_streams_gaps(tmp_path):
+    """The compute stream's idle time: gaps under 20 us are launch spacing, longer ones are put
+    on the kernels around them and the other stream's kernel that ended last inside the gap."""
+    from oasis_sglang.bench import profile_trace as pt
+
+    k = lambda name, stream, ts, dur: {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur,  # noqa: E731
+                                       "args": {"stream": stream}}
+    ev = [k("gemm", 7, 0, 100), k("attn", 7, 105, 100),               # 5 us: spacing
+          k("_copy_rows_kernel", 9, 150, 200),                          # ends at 350, inside the next gap
+          k("_plan_kernel", 8, 100, 150),                               # ends at 250, before the copy
+          k("gemm", 7, 351, 100),                                       # gap 205 .. 351: the copy released it
+          k("norm", 7, 600, 50)]                                        # gap 451 .. 600: nothing ended in it
+    g = pt.summarize(pt.load_gpu_events(_trace(tmp_path, ev)), steps=1)["gaps"]
+    assert g["stream"] == "7"
+    assert g["short_gap_ms"] == pytest.approx(0.005)
+    assert g["gap_ms"] == pytest.approx(0.005 + 0.146 + 0.149)
+    assert g["long_gaps"] == 2
+    assert g["top"][0][:3] == ("gemm", "norm", "(none: launch or host)") and g["top"][0][3] == pytest.approx(0.149)
+    assert g["top"][1][:3] == ("attn", "gemm", "_copy_rows_kernel") and g["top"][1][3] == pytest.approx(0.146)
+    md = pt.markdown(pt.summarize(pt.load_gpu_events(_trace(tmp_path, ev)), steps=1))
+    assert "| `attn` | `gemm` | `_copy_rows_kernel` | 0.146 | 1.0 |" in md
+
+
 def test_profile_trace_rejects_what_it_cannot_read(tmp_path, capsys):
     from oasis_sglang.bench import profile_trace as pt
 

@@ -24,7 +24,7 @@ def _share(cand, budget, clock=0, K=16):
 
 def test_the_budget_goes_to_the_best_ranks_of_every_head_first():
     cand = _cand([[2, 3, 4], [0, 1], [5], []])
-    assert _share(cand, -1) == [3, 2, 1, 0], "unlimited: every candidate"
+    assert _share(cand, -1) == [3, 3, 3, 3], "unlimited: every head its list's width (the plan's cap decides)"
     assert _share(cand, 100) == [3, 2, 1, 0]
     assert _share(cand, 0) == [0, 0, 0, 0]
     assert _share(cand, 1) == [0, 1, 0, 0], "position 0 first"
@@ -106,6 +106,25 @@ def test_the_budgeted_plan_never_exceeds_the_budget_and_keeps_sink_and_recent(se
     unbudgeted = plan_admissions(*[t.clone() for t in _layer(seed)[:2]], rows, wanted, forced, 60, cap)
     if budget >= 1000:
         assert torch.equal(adm.mask, unbudgeted.mask), "a budget above the candidates changes nothing"
+
+
+@pytest.mark.parametrize("cap", [None, 1, 3, 8])
+def test_an_unlimited_budget_plans_exactly_as_no_budget_and_lists_no_candidates(seed, cap):
+    """``TransferBudget.blocks < 0`` (unlimited, e.g. before a step time is measured): no
+    candidate is listed (the kernel skips its match), every head's share is the list's width,
+    and the plan equals the plan without a budget."""
+    ids, last, rows, wanted, forced = _layer(seed)
+    unlimited = torch.tensor(-1)
+    cand = budget_candidates(ids, rows, wanted, forced, cap, unlimited)
+    assert bool((cand == -1).all())
+    assert torch.equal(budget_candidates(ids, rows, wanted, forced, cap, torch.tensor(5)),
+                       budget_candidates(ids, rows, wanted, forced, cap)), "a finite budget lists them"
+    allow = share_budget(cand, unlimited, torch.tensor(3), wanted.shape[-1])
+    assert allow.tolist() == [cand.shape[1]] * cand.shape[0]
+    budgeted = plan_admissions(ids, last, rows, wanted, forced, 60, cap, allow=allow)
+    ids2, last2 = _layer(seed)[:2]
+    plain = plan_admissions(ids2, last2, rows, wanted, forced, 60, cap)
+    assert torch.equal(budgeted.mask, plain.mask) and torch.equal(ids, ids2) and torch.equal(last, last2)
 
 
 def test_free_slot_fills_are_never_refused(seed):

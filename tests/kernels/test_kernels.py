@@ -369,9 +369,12 @@ def test_budgeted_plan_and_its_candidates_equal_the_reference_exactly(seed, cap,
         scores = torch.randn(4, H, NB, device=DEV)
         wanted, forced = select_blocks(scores, (seq + bs - 1) // bs, seq // bs, K, 1, 2)
         st = torch.tensor(step, dtype=torch.int64, device=DEV)
-        cands = [fn(state[i][0], rows, wanted, forced, cap) for i, fn in enumerate((REF.budget_candidates, budget_candidates))]
+        b = torch.tensor(budget, device=DEV)
+        cands = [fn(state[i][0], rows, wanted, forced, cap, b) for i, fn in enumerate((REF.budget_candidates, budget_candidates))]
         assert torch.equal(cands[0].cpu(), cands[1].cpu()), step
-        allow = share_budget(cands[0], torch.tensor(budget, device=DEV), st, K)
+        if budget < 0:
+            assert bool((cands[0] == -1).all()), "an unlimited budget lists none"
+        allow = share_budget(cands[0], b, st, K)
         refused += int((cands[0] >= 0).sum()) - int(allow.sum())
         out = [fn(ids, lru, rows, wanted, forced, st, cap, seq, rtt, bs, P, ctr, skip_row=0, allow=allow)
                for (ids, lru, ctr), fn in zip(state, (REF.plan_transfer, plan_transfer))]
@@ -403,7 +406,7 @@ def test_share_budget_equals_reference_exactly(seed, N, C, K):
             c = torch.tensor(clock, dtype=torch.int64, device=DEV)
             want, got = ref(cand, b, c, K), share_budget(cand, b, c, K)
             assert got.dtype == torch.int32 and torch.equal(want.cpu(), got.cpu()), (budget, clock)
-            assert int(got.sum()) == (total if budget < 0 else min(budget, total))
+            assert int(got.sum()) == (N * C if budget < 0 else min(budget, total))
 
 
 @pytest.mark.parametrize("B,H,K", [(1, 1, 5), (3, 2, 16), (5, 4, 128), (2, 3, 200)])
