@@ -257,7 +257,7 @@ def main() -> int:
     k = torch.randn(n, H, D, device="cuda", dtype=DT)
     add("write_kv (host tier + summaries)", "prefill, 16384 tokens", lambda: write_kv(hk4, hv4, kmin, kmax, loc, k, k, BS),
         2 * n * H * D * E, "d2h", graph=False)
-    del hk, hv, hk4, hv4, wk, wv
+    hk = hv = hk4 = hv4 = wk = wv = None    # free the pinned tier (the lambdas above are done with them)
     steps.update()
 
     # 2. scoring + top-K: 64 requests x 32K context x 8 KV heads, one layer; x layers per step
@@ -290,7 +290,7 @@ def main() -> int:
     add("  of which torch.topk on the keys", f"[{B}, {H}, {nb}] int64, k={K}", lambda: topk_from_keys(keys, K),
         keys.numel() * 8, "hbm")
     raw["select_topk_ms_per_layer"] = ms_topk
-    del smin, smax, keys
+    smin = smax = keys = None          # (not del: the lambdas above name them)
     steps.update()
     dense = sglang_decode(B, ctx, 16)
     if dense is not None:
@@ -331,7 +331,7 @@ def main() -> int:
             add("SGLang triton decode (dense)", f"B={B}, 2048-token context ({best_s} splits, best of 4/8/16)", d[0],
                 nbytes, "hbm", extra=f"oasis/sglang GPU time = {ms_sp / best:.2f}x (target <= 1.2x)")
             del d
-        del q, ws_k, ws_v, ids
+        q = ws_k = ws_v = ids = None
         torch.cuda.empty_cache()
     steps.update()
 

@@ -85,8 +85,8 @@ def main() -> int:
     mb = lambda x: f"{x / 2**20:.2f} MiB"  # noqa: E731
     print(f"SmolLM2-135M, {r['prompt_tokens']}-token prompt, budget {a.budget}, block {a.block_size}, "
           f"summaries {a.summary_dtype}, {r['steps']} decode steps")
-    print(f"| full transfer | admission | of which sparse-layer packet | dense layers | full / admission | "
-          f"fetched while decoding | decode-node pieces holding data |")
+    print("| full transfer | admission | of which sparse-layer packet | dense layers | full / admission | "
+          "fetched while decoding | decode-node pieces holding data |")
     print("|---|---|---|---|---|---|---|")
     print(f"| {mb(r['full'])} | {mb(r['admission'])} | {mb(r['packet'])} | {mb(r['dense_layers'])} | "
           f"**{r['ratio']:.2f}x** | {mb(r['fetched'])} in {r['remote_reads']} reads | "

@@ -217,6 +217,9 @@ def handle_kv_sparse_args(args) -> OasisConfig:
                         predictor)
     args.kv_sparse_config = cfg.to_json()
     logger.info("OasisKV enabled: %s", args.kv_sparse_config)
+    if pd == "decode" and cfg.dense_short_contexts:
+        logger.info("OasisKV PD: dense_short_contexts does not apply on a decode node (its blocks are read from "
+                    "the prefill node on demand, so no step runs the dense path)")
     return cfg
 
 

@@ -404,8 +404,6 @@ def test_profile_trace_refuses_bad_events_naming_them(tmp_path, capsys):
     or an empty file (torch creates it with ``gzip.open(path, "wb")`` before writing) is an EOFError
     the caller retries; a corrupt gzip stream or absurd nesting is a ValueError naming the file;
     plain JSON is read whatever its suffix; a zero-length window still formats."""
-    import gzip
-
     from oasis_sglang.bench import profile_trace as pt
 
     k = {"ph": "X", "cat": "kernel", "name": "nvjet", "ts": 0, "dur": 5, "args": [1]}     # args not a dict: no stream

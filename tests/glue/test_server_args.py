@@ -109,12 +109,16 @@ def test_plain_kv_cache_dtypes_are_served(model, kv):
 
 
 @pytest.mark.parametrize("mode", ["prefill", "decode"])
-def test_pd_with_nixl_is_served(model, mode):
+def test_pd_with_nixl_is_served(model, mode, caplog):
+    """A PD node is served; a decode node says ``dense_short_contexts`` does not apply there."""
     pytest.importorskip("nixl")
-    a = make(model, kv_sparse="oasis", disaggregation_mode=mode, disaggregation_transfer_backend="nixl",
-             kv_sparse_config='{"pd_lease_s": 30, "pd_read_timeout_s": 2.5}')
+    with caplog.at_level("INFO", logger="oasis_sglang"):
+        a = make(model, kv_sparse="oasis", disaggregation_mode=mode, disaggregation_transfer_backend="nixl",
+                 kv_sparse_config='{"pd_lease_s": 30, "pd_read_timeout_s": 2.5}')
     assert a.disaggregation_mode == mode and a.disable_cuda_graph
     assert '"pd_lease_s": 30.0' in a.kv_sparse_config and '"pd_read_timeout_s": 2.5' in a.kv_sparse_config
+    said = "dense_short_contexts does not apply on a decode node" in caplog.text
+    assert said == (mode == "decode"), caplog.text[-2000:]
 
 
 @pytest.mark.parametrize("read_mode,predictor,spec,blocked", [
