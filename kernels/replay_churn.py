@@ -52,8 +52,10 @@ def _replay_churn_kernel(Wanted, Forced, Ids, Rows, Seed, OutW, OutF, H, K, m_fl
     held = tl.load(Ids + (row * H + h) * K + i, mask=inb, other=-1)
     held_j = tl.load(Ids + (row * H + h) * K + j, mask=j < K, other=-1)
     valid = w >= 0
-    # 1. wanted blocks resident in the row (pairwise; -1 never matches)
-    in_held = tl.max(((w[:, None] == held_j[None, :]) & (held_j[None, :] >= 0)).to(tl.int32), axis=1) > 0
+    # 1. wanted blocks resident in the row (pairwise; -1 never matches). Block ids < 2**31: the
+    # [K, K] tiles compare int32 (half the registers of int64; at K = 128 an int64 tile spilled)
+    w32, held32, held_j32 = w.to(tl.int32), held.to(tl.int32), held_j.to(tl.int32)
+    in_held = tl.max(((w32[:, None] == held_j32[None, :]) & (held_j32[None, :] >= 0)).to(tl.int32), axis=1) > 0
     in_held = in_held & valid
     nonres = valid & (f == 0) & (in_held == 0)
     # 2. m: the mean dithered as the reference (int64 arithmetic, then / 1024 in fp32)
@@ -68,8 +70,8 @@ def _replay_churn_kernel(Wanted, Forced, Ids, Rows, Seed, OutW, OutF, H, K, m_fl
     # resident blocks that are not forced blocks of the list
     fb_j = tl.load(Wanted + base + j, mask=j < K, other=-1)
     ff_j = tl.load(Forced + base + j, mask=j < K, other=0) != 0
-    fb_j = tl.where(ff_j & (fb_j >= 0), fb_j, -2)
-    held_forced = tl.max(((held[:, None] == fb_j[None, :]) & (fb_j[None, :] >= 0)).to(tl.int32), axis=1) > 0
+    fb_j = tl.where(ff_j & (fb_j >= 0), fb_j, -2).to(tl.int32)
+    held_forced = tl.max(((held32[:, None] == fb_j[None, :]) & (fb_j[None, :] >= 0)).to(tl.int32), axis=1) > 0
     held_free = (held >= 0) & (held_forced == 0) & inb
     # 3. ranks: forced, taken, resident (slot order), the rest of the list
     c0 = fv.to(tl.int64)
@@ -94,7 +96,7 @@ def _replay_churn_kernel(Wanted, Forced, Ids, Rows, Seed, OutW, OutF, H, K, m_fl
 
 
 def replay_churn(wanted: torch.Tensor, forced: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor, mean: float,
-                 seed: torch.Tensor, salt: int = 0, num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+                 seed: torch.Tensor, salt: int = 0, num_warps: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton version of :func:`core.churn.replay_churn` with the rows' resident blocks read in
     the kernel (``held = ids[rows]``).
 

@@ -155,7 +155,8 @@ GAP_TOP = 10           # (kernel before, kernel after, released by) rows listed
 
 
 def compute_gaps(events: list[tuple[str, object, float, float]], steps: int) -> dict:
-    """Where the compute stream (the stream with the most kernel time) stands idle.
+    """Where the compute stream (the stream with the most GEMM time; the most kernel time when no
+    GEMM ran) stands idle.
 
     A gap is the time between one compute-stream kernel's end and the next one's start. Gaps of
     at least ``GAP_MIN_US`` are attributed to the kernel of another stream that ended last
@@ -166,18 +167,23 @@ def compute_gaps(events: list[tuple[str, object, float, float]], steps: int) -> 
     released_by, ms per step, count per step)]}`` (kernel names cut to 60 characters; times
     per step).
     """
-    per_stream: dict[str, float] = {}
-    for _, st, _, d in events:
-        per_stream[str(st)] = per_stream.get(str(st), 0.0) + d
-    main = max(per_stream, key=per_stream.get)
+    per_stream: dict[str, list[float]] = {}
+    for n, st, _, d in events:
+        t = per_stream.setdefault(str(st), [0.0, 0.0])
+        t[0] += d if group_of(n) == "GEMMs" else 0.0
+        t[1] += d
+    main = max(per_stream, key=lambda k: tuple(per_stream[k]))
     mk = sorted(((s0, s0 + d, n) for n, st, s0, d in events if str(st) == main))
     others = sorted(((s0 + d, n) for n, st, s0, d in events if str(st) != main))
     ends = [e for e, _ in others]
     short = long_ = 0.0
     n_long = 0
     top: dict[tuple[str, str, str], list[float]] = {}
-    for (a0, a1, an), (b0, _, bn) in zip(mk, mk[1:]):
-        g = b0 - a1
+    end, an = float("-inf"), ""  # the latest end so far and its kernel (records of one stream may overlap)
+    for (_, a1, a_name), (b0, _, bn) in zip(mk, mk[1:]):
+        if a1 > end:
+            end, an = a1, a_name
+        g = b0 - end
         if g <= 0:
             continue
         if g < GAP_MIN_US:
@@ -186,7 +192,7 @@ def compute_gaps(events: list[tuple[str, object, float, float]], steps: int) -> 
         long_ += g
         n_long += 1
         i = bisect.bisect_right(ends, b0 + 1.0) - 1
-        rel = others[i][1] if i >= 0 and ends[i] > a1 else "(none: launch or host)"
+        rel = others[i][1] if i >= 0 and ends[i] > end else "(none: launch or host)"
         key = (an[:60], bn[:60], rel[:60])
         t = top.setdefault(key, [0.0, 0])
         t[0] += g

@@ -341,6 +341,12 @@ def steady_running(log: str, lines_needed: int = 3, min_running: int = 1) -> int
     return counts[-1]
 
 
+def keep_trace() -> bool:
+    """``OASIS_BENCH_KEEP_TRACE=1`` (or ``true`` / ``yes``): a profile's raw SGLang trace stays
+    beside the results as ``trace_<its name>`` (for Perfetto) instead of being deleted."""
+    return os.environ.get("OASIS_BENCH_KEEP_TRACE", "").strip().lower() in ("1", "true", "yes")
+
+
 def profile_steady_decode(srv, tag: str, steps: int, tdir: Path, done, timeout: float = 600,
                           grace: float = 60, min_running: int = 1) -> dict:
     """Once ``srv``'s decode phase is steady (``steady_running``), ask SGLang's profiler for
@@ -381,12 +387,18 @@ def profile_steady_decode(srv, tag: str, steps: int, tdir: Path, done, timeout: 
             except (EOFError, OSError) as e:     # the scheduler process is still writing it
                 last_err = e
             except ValueError as e:              # whole but unusable: no retry
-                for t in traces:
-                    t.unlink()
+                for i, t in enumerate(traces):
+                    if keep_trace() and i == 0:
+                        t.replace(tdir.parent / f"trace_{t.name}")
+                    else:
+                        t.unlink()
                 return {"error": str(e)[:300]}
             else:
-                for t in traces:
-                    t.unlink()
+                for i, t in enumerate(traces):
+                    if keep_trace() and i == 0:          # the raw trace beside the results
+                        t.replace(tdir.parent / f"trace_{t.name}")
+                    else:
+                        t.unlink()
                 return {**s, "running": n}
         if done.is_set():
             ended = ended or time.time()

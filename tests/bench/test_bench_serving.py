@@ -364,14 +364,18 @@ def test_profile_trace_splits_device_time(tmp_path):
 
 
 def test_profile_trace_attributes_the_compute_streams_gaps(tmp_path):
-    """The compute stream's idle time: gaps under 20 us are launch spacing, longer ones are put
-    on the kernels around them and the other stream's kernel that ended last inside the gap."""
+    """The compute stream (the most GEMM time, though a copy stream has more kernel time) and its
+    idle time: gaps under 20 us are launch spacing, longer ones are put on the kernels around them
+    and the other stream's kernel that ended last inside the gap; overlapping records of the
+    stream (a short one inside a long one) open no gap."""
     from oasis_sglang.bench import profile_trace as pt
 
     k = lambda name, stream, ts, dur: {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur,  # noqa: E731
                                        "args": {"stream": stream}}
     ev = [k("gemm", 7, 0, 100), k("attn", 7, 105, 100),               # 5 us: spacing
+          k("tiny", 7, 110, 10),                                        # inside attn: no gap after it
           k("_copy_rows_kernel", 9, 150, 200),                          # ends at 350, inside the next gap
+          k("_copy_rows_kernel", 9, 400, 500),                          # stream 9: the most kernel time
           k("_plan_kernel", 8, 100, 150),                               # ends at 250, before the copy
           k("gemm", 7, 351, 100),                                       # gap 205 .. 351: the copy released it
           k("norm", 7, 600, 50)]                                        # gap 451 .. 600: nothing ended in it
