@@ -53,7 +53,7 @@ def _replay_churn_kernel(Wanted, Forced, Ids, Rows, Seed, OutW, OutF, H, K, m_fl
     held_j = tl.load(Ids + (row * H + h) * K + j, mask=j < K, other=-1)
     valid = w >= 0
     # 1. wanted blocks resident in the row (pairwise; -1 never matches). Block ids < 2**31: the
-    # [K, K] tiles compare int32 (half the registers of int64; at K = 128 an int64 tile spilled)
+    # [K, K] tiles compare int32 (half the registers of int64 tiles, as the plan kernel)
     w32, held32, held_j32 = w.to(tl.int32), held.to(tl.int32), held_j.to(tl.int32)
     in_held = tl.max(((w32[:, None] == held_j32[None, :]) & (held_j32[None, :] >= 0)).to(tl.int32), axis=1) > 0
     in_held = in_held & valid
