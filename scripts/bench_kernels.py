@@ -190,8 +190,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None, help="write the table (markdown) and raw numbers (.json) here")
     ap.add_argument("--layers", type=int, default=36, help="layers per decode step (Qwen3-8B: 36)")
-    ap.add_argument("--only", choices=["paired"], default=None,
-                    help="paired: only the paired-forward section (dense and draft layers, 2 rows)")
+    ap.add_argument("--only", choices=["paired", "plan"], default=None,
+                    help="paired: only the paired-forward section (dense and draft layers, 2 rows); plan: only "
+                         "the admission plan, step budget and churn replay kernels")
     ap.add_argument("--weights-gb", type=float, default=16.4, help="weight bytes read per decode step (GB)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -219,6 +220,10 @@ def main() -> int:
 
     if args.only == "paired":
         paired_section(add, rows, raw)
+        steps.close()
+        return finish(rows, raw, ceil, args.out)
+    if args.only == "plan":
+        plan_section(add, raw)
         steps.close()
         return finish(rows, raw, ceil, args.out)
 
@@ -337,8 +342,56 @@ def main() -> int:
 
     paired_section(add, rows, raw)
     steps.update()
+    plan_section(add, raw)
     steps.close()
     return finish(rows, raw, ceil, args.out)
+
+
+def plan_section(add, raw, B: int = 40, ctx: int = 16384, K: int = 128, cap: int = 8, churn: float = 4.4,
+                 dev: str = "cuda") -> None:
+    """One sparse layer's select stage at the 16K serving point (40 requests, 8 KV heads, a
+    2048-token working set of 16-token blocks): the admission plan (kernel 6), the step budget's
+    candidates (6b) and share (6c), finite and unlimited, and the benchmarks' churn replay (8).
+    Random scores: every head misses most of its top-K (the plan's worst case). The plan updates
+    the block table it reads, so repeated calls time a table in its steady state. ``dev``: "cpu"
+    with ``TRITON_INTERPRET=1`` checks the section's own inputs (tests/scripts)."""
+    from oasis_sglang.core.selection import select_blocks
+    from oasis_sglang.kernels.plan_transfer import budget_candidates, plan_transfer
+    from oasis_sglang.kernels.replay_churn import replay_churn
+    from oasis_sglang.kernels.share_budget import share_budget
+
+    nb, R = ctx // BS, B + 1
+    ids = torch.rand(R, H, nb, device=dev).argsort(-1)[..., :K].contiguous()       # distinct resident blocks
+    last = torch.randint(0, 1000, (R, H, K), device=dev)
+    rows = torch.arange(1, R, device=dev)
+    n = torch.full((B,), nb, device=dev)
+    wanted, forced = select_blocks(torch.randn(B, H, nb, device=dev), n, n - 1, K, 1, 2)
+    seq = torch.full((B,), ctx, device=dev, dtype=torch.int64)
+    rtt = torch.arange(R * ctx, device=dev, dtype=torch.int32).view(R, ctx)
+    counters = torch.zeros(4, dtype=torch.int64, device=dev)
+    step = torch.tensor(1001, dtype=torch.int64, device=dev)
+    finite = torch.tensor(B * H * 4, dtype=torch.int64, device=dev)               # 4 per head: binds
+    unlimited = torch.tensor(-1, dtype=torch.int64, device=dev)
+    shape = f"{B} req x {H} KV heads, K={K}, {nb} blocks, cap {cap}"
+    nbytes = 6 * B * H * K * 8                    # ids, last_used, wanted read; ids, last_used, lists written
+    cand = budget_candidates(ids, rows, wanted, forced, cap, finite)
+    allow = share_budget(cand, finite, step, K)
+    raw["plan_section"] = {"B": B, "ctx": ctx, "K": K, "cap": cap,
+                           "candidates_per_layer": int((cand >= 0).sum()), "budget_blocks": int(finite)}
+    add("plan_transfer (kernel 6)", shape, lambda: plan_transfer(ids, last, rows, wanted, forced, step, cap, seq, rtt,
+                                                                  BS, R * ctx // BS, counters), nbytes, "hbm")
+    add("plan_transfer with a budget share", shape, lambda: plan_transfer(
+        ids, last, rows, wanted, forced, step, cap, seq, rtt, BS, R * ctx // BS, counters, allow=allow), nbytes, "hbm")
+    add("budget_candidates (6b), finite budget", shape,
+        lambda: budget_candidates(ids, rows, wanted, forced, cap, finite), 3 * B * H * K * 8, "hbm")
+    add("budget_candidates (6b), unlimited", shape,
+        lambda: budget_candidates(ids, rows, wanted, forced, cap, unlimited), B * H * cap * 4, "hbm")
+    add("share_budget (6c), finite budget", f"[{B * H}, {cand.shape[1]}] candidates",
+        lambda: share_budget(cand, finite, step, K), cand.numel() * 4, "hbm")
+    add("share_budget (6c), unlimited", f"[{B * H}, {cand.shape[1]}] candidates",
+        lambda: share_budget(cand, unlimited, step, K), B * H * 4, "hbm")
+    add("replay_churn (kernel 8, benchmarks)", shape + f", {churn} missed per head",
+        lambda: replay_churn(wanted, forced, ids, rows, churn, seq, salt=3), 5 * B * H * K * 8, "hbm")
 
 
 def finish(rows, raw, ceil, out) -> int:

@@ -1,0 +1,31 @@
+"""scripts/bench_kernels.py's plan section builds valid inputs for the kernels it times: run on
+the CPU at small shapes (Triton's interpreter), every kernel is called and its result is
+consistent (the kernels' exactness against their references is tests/kernels')."""
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+
+import bench_kernels  # noqa: E402
+
+
+def test_the_plan_section_times_the_select_stage_kernels_on_valid_inputs():
+    seen = {}
+
+    def add(kernel, shape, fn, nbytes, bound, **kw):
+        seen[kernel] = fn()
+        assert nbytes > 0 and bound == "hbm"
+
+    raw = {}
+    bench_kernels.plan_section(add, raw, B=3, ctx=512, K=8, cap=2, dev="cpu")
+    assert len(seen) == 7 and raw["plan_section"]["candidates_per_layer"] > 0
+    fin, unl = seen["budget_candidates (6b), finite budget"], seen["budget_candidates (6b), unlimited"]
+    assert bool((fin >= 0).any()) and bool((unl == -1).all()), "a finite budget lists candidates, unlimited none"
+    assert seen["share_budget (6c), unlimited"].tolist() == [fin.shape[1]] * fin.shape[0]
+    p = raw["plan_section"]                        # the shares of the candidates listed before the plans ran
+    assert int(seen["share_budget (6c), finite budget"].sum()) == min(p["budget_blocks"], p["candidates_per_layer"])
+    w, f = seen["replay_churn (kernel 8, benchmarks)"]
+    assert w.shape == (3, 8, 8) and f.dtype == torch.bool
