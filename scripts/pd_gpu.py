@@ -13,13 +13,16 @@ no host read inside a predicted step; ``wait``: one per layer). The prefill node
 the decode node runs its decode steps in CUDA graphs with ``--cuda-graph`` (``deferred`` only: the
 plugin refuses graphs to a step that reads inside its layers) and eagerly without. The requests go
 to both servers at once with one bootstrap room each, as sglang-router sends them (the router is
-not needed to measure what crosses). Reported from the decode node's ``OasisKV PD`` lines: MiB at
+not needed to measure what crosses), the decode node's answer streamed (each request's TTFT:
+prefill, admission, first step). ``--system dense``: both nodes plain SGLang PD, the baseline
+(the whole KV crosses at admission). Reported from the decode node's ``OasisKV PD`` lines: MiB at
 admission against a full transfer, MiB read on demand, the request's sparse-layer KV held in the
 decode node's host tier against a whole allocation (on a GPU the tier is page-locked whole: that
 figure is what an on-demand tier would hold, not memory saved); the wall time of each request;
 and the decode node's speed from SGLang's ``Decode batch`` lines (``gen throughput``, ``cuda
 graph``) at the most requests running.
-Exit status 1 when no request was admitted or one failed on either node.
+Exit status 1 when no request was admitted (oasis), a node answered with an error, or the decode
+node's answer came back short.
 Writes ``<out>/pd_gpu.json``, ``<out>/pd_gpu.md`` and both servers' logs.
 """
 
@@ -65,8 +68,9 @@ def server_args(a, mode: str, bootstrap: int) -> list[str]:
             "--max-total-tokens", str(a.requests * (a.input_len + a.output_len + 64) + 4096),
             "--context-length", str(a.input_len + a.output_len + 64), "--log-level", "info",
             "--decode-log-interval", "16",
-            "--kv-sparse", "oasis", "--kv-sparse-config", json.dumps(cfg),
             "--disaggregation-mode", mode, "--disaggregation-transfer-backend", "nixl"]
+    if a.system == "oasis":
+        args += ["--kv-sparse", "oasis", "--kv-sparse-config", json.dumps(cfg)]
     if mode == "prefill":
         args += ["--disaggregation-bootstrap-port", str(bootstrap)]
     if mode == "decode" and a.cuda_graph:
@@ -76,8 +80,53 @@ def server_args(a, mode: str, bootstrap: int) -> list[str]:
     return args
 
 
+def _stream_decode(url: str, body: dict, t0: float) -> dict:
+    """POST ``body`` to a decode node's ``/generate`` with ``stream`` on (SGLang's SSE chunks
+    ``data: {...}``, then ``data: [DONE]``): the status, the seconds from ``t0`` to the first chunk
+    carrying a token (TTFT), the completion tokens of the last chunk, and the error text: an
+    ``error`` chunk, an aborted request (SGLang streams an abort, e.g. a lost prefill node, as a
+    chunk whose ``finish_reason`` has type ``abort``, under HTTP 200), or the connection's failure."""
+    import requests
+
+    out = {"status": None, "ttft_s": None, "tokens": 0, "error": None}
+    try:
+        with requests.post(url + "/generate", json={**body, "stream": True}, stream=True, timeout=1800) as r:
+            out["status"] = r.status_code
+            if r.status_code != 200:
+                out["error"] = r.text[:500]
+                return out
+            for line in r.iter_lines():
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    out["error"] = str(chunk["error"])[:500]
+                    break
+                meta = chunk.get("meta_info", {})
+                n = int(meta.get("completion_tokens", 0))
+                if n > 0 and out["ttft_s"] is None:
+                    out["ttft_s"] = time.time() - t0
+                out["tokens"] = max(out["tokens"], n)
+                fr = meta.get("finish_reason")
+                if isinstance(fr, dict) and fr.get("type") == "abort":
+                    out["error"] = f"aborted ({fr.get('status_code')}): {fr.get('message')}"[:500]
+    except (requests.RequestException, ValueError) as e:      # the node went away, a bad chunk
+        out["error"] = f"{e.__class__.__name__}: {e}"[:500]
+    return out
+
+
 def pd_generate(prefill_url: str, decode_url: str, bootstrap: int, ids: list[int], n_new: int, room: int) -> dict:
-    """One request sent to both nodes with the same bootstrap room (sglang-router's PD routing)."""
+    """One request sent to both nodes with the same bootstrap room (sglang-router's PD routing),
+    the decode node's answer streamed.
+
+    Returns ``{"prefill_status", "decode_status", "wall_s", "ttft_s", "output_tokens", "error"}``:
+    ``ttft_s`` is the time to the decode node's first token (prefill, the admission's transfer
+    and, with OasisKV, its first step's reads; ``None`` when no token came), ``wall_s`` until the
+    last one; ``error`` the decode node's, else the prefill node's, else ``None``.
+    """
     import requests
 
     body = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": n_new, "ignore_eos": True},
@@ -85,11 +134,13 @@ def pd_generate(prefill_url: str, decode_url: str, bootstrap: int, ids: list[int
     t0 = time.time()
     with cf.ThreadPoolExecutor(2) as ex:
         fp = ex.submit(requests.post, prefill_url + "/generate", json=body, timeout=1800)
-        fd = ex.submit(requests.post, decode_url + "/generate", json=body, timeout=1800)
-        rp, rd = fp.result(), fd.result()
-    return {"prefill_status": rp.status_code, "decode_status": rd.status_code, "wall_s": time.time() - t0,
-            "output_tokens": len(rd.json().get("output_ids", [])) if rd.status_code == 200 else 0,
-            "error": None if rd.status_code == 200 else rd.text[:500]}
+        fd = ex.submit(_stream_decode, decode_url, body, t0)
+        rd = fd.result()
+        wall = time.time() - t0
+        rp = fp.result()
+    err = rd["error"] or (None if rp.status_code == 200 else rp.text[:500])
+    return {"prefill_status": rp.status_code, "decode_status": rd["status"], "wall_s": wall,
+            "ttft_s": rd["ttft_s"], "output_tokens": rd["tokens"], "error": err}
 
 
 def main(argv=None) -> int:
@@ -106,12 +157,14 @@ def main(argv=None) -> int:
                     help="both nodes' predictor (current: each layer reads inside the step, so no CUDA graphs)")
     ap.add_argument("--cuda-graph", action="store_true",
                     help="decode node: decode steps in CUDA graphs (needs --pd-read-mode deferred)")
+    ap.add_argument("--system", choices=("oasis", "dense"), default="oasis",
+                    help="dense: both nodes plain SGLang PD (the whole KV crosses at admission): the baseline")
     ap.add_argument("--out", default="out/pd_gpu")
     a = ap.parse_args(argv)
     for name in ("input_len", "output_len", "requests", "budget"):
         if getattr(a, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
-    if a.cuda_graph and (a.pd_read_mode != "deferred" or a.predictor != "previous"):
+    if a.cuda_graph and a.system == "oasis" and (a.pd_read_mode != "deferred" or a.predictor != "previous"):
         ap.error("--cuda-graph needs --pd-read-mode deferred and --predictor previous (otherwise the decode node "
                  "reads inside each layer)")
     if not 0 < a.mem_fraction <= 0.45:
@@ -169,14 +222,19 @@ def main(argv=None) -> int:
         r = relby.get(x["rid"], {})
         lines.append(f"| {x['rid'][:8]} | {x['prompt_tokens']} | {x['admission_mib']} | {x['full_mib']} | {x['less']}x | "
                      f"{r.get('held_mib', '-')} | {r.get('whole_mib', '-')} | {r.get('less', '-')}x |")
-    lines.append(f"\nrequests: {results}; wall {wall:.1f} s; read on demand (cumulative, last line): {res['read_on_demand_last']}; "
+    lines += ["", "| request | decode status | output tokens | TTFT s | wall s |", "|---|---|---|---|---|"]
+    lines += [f"| {i} | {r['decode_status']} | {r['output_tokens']} | "
+              f"{'-' if r['ttft_s'] is None else format(r['ttft_s'], '.2f')} | {r['wall_s']:.2f} |"
+              for i, r in enumerate(results)]
+    lines.append(f"\nsystem {a.system}; requests: {results}; wall {wall:.1f} s; read on demand (cumulative, last line): {res['read_on_demand_last']}; "
                  f"starting reads between steps: {res['service_ms_per_step']} ms per step "
                  f"({res['counts_ms_per_step']} ms of it reading the plans' counts, "
                  f"{res['marking_ms_per_step']} ms marking ended reads' pieces present)")
     lines.append(f"decode node (pd_read_mode {a.pd_read_mode}, {'CUDA graphs' if a.cuda_graph else 'eager'}): {speed}")
     (out / "pd_gpu.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
-    ok = adm and all(r["decode_status"] == 200 and r["prefill_status"] == 200 for r in results)
+    ok = (adm or a.system == "dense") and all(r["decode_status"] == 200 and r["prefill_status"] == 200
+                                              and r["output_tokens"] == a.output_len for r in results)
     return 0 if ok else 1
 
 

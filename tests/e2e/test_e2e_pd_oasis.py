@@ -15,6 +15,8 @@ One deployment (budget 512, block 8) for all four:
   report what crossed;
 - more requests than the prefill node has request rows: its pages are leased and freed when the
   decode node releases them (else the later requests would wait for the lease to expire);
+- scripts/pd_gpu.py's request sent to both nodes itself: the decode node's answer streamed,
+  its time to the first token measured;
 - a needle at budget 512 through the router (6000 tokens), >= 4x less at admission;
 - the prefill process stopped (SIGSTOP) for a lease length mid-decode: its requests end with an
   error and the decode node's host tier goes back to what it held before, also after a further
@@ -38,6 +40,7 @@ import os
 import re
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import requests
@@ -184,6 +187,22 @@ def test_prefill_pages_are_released_by_the_decode_node(tok, pd):
     assert released() - before == n, (before, released())
     last = re.findall(r"OasisKV PD: freed \d+ lease\(s\);.* held now: (\d+)", pd.pf.log())[-1]
     assert last == "0", "every lease was freed"
+
+
+def test_pd_gpu_streams_the_decode_nodes_answer_and_times_its_first_token(tok, pd):
+    """scripts/pd_gpu.py's request (both nodes at once, one bootstrap room, as the router sends
+    it) against this deployment: the decode node's answer streamed, every token counted, the
+    time to its first token measured and below the request's wall time."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("pd_gpu", Path(__file__).resolve().parents[2] / "scripts" / "pd_gpu.py")
+    pd_gpu = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pd_gpu)
+    ids = tok.encode("A short history of the telescope, from Lippershey to Hubble.", add_special_tokens=False)
+    r = pd_gpu.pd_generate(pd.pf.url, pd.dc.url, pd.bootstrap, ids, 6, room=int(time.time() * 1000) % 2**62)
+    assert r["prefill_status"] == 200 and r["decode_status"] == 200 and r["error"] is None, r
+    assert r["output_tokens"] == 6, r
+    assert r["ttft_s"] is not None and 0 < r["ttft_s"] < r["wall_s"], r
 
 
 @pytest.mark.parametrize("tokens,depth", NEEDLE_CASES[-1:])       # the longest (the colocated tests run all)
