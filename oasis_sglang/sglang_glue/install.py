@@ -37,7 +37,7 @@ def init_attention_backends_hook(result, model_runner, *args, **kwargs):
     if cfg is None or getattr(model_runner, "is_draft_worker", False):
         return result                       # the draft model keeps SGLang's own KV cache and backend
     from .attn_backend import OasisAttnBackend
-    from .log_line import DecodeLog
+    from .log_line import DecodeLog, log_interval
     from .metrics import make_metrics
     from .pool import OasisKVPool
 
@@ -99,7 +99,7 @@ def init_attention_backends_hook(result, model_runner, *args, **kwargs):
                          serving.DecodeSide(engine, pool, cfg.pd_read_timeout_s, tp_rank, cfg.pd_lease_s,
                                             free_pages=lambda: _free_pages(model_runner)))
         runtime.pd_decode = pd == "decode"
-    log = DecodeLog(engine, getattr(sa, "decode_log_interval", 40) or 40, make_metrics(sa) if first else None,
+    log = DecodeLog(engine, log_interval(getattr(sa, "decode_log_interval", 40)), make_metrics(sa) if first else None,
                     draft_match, emit=first)
     wrapped = {}
 

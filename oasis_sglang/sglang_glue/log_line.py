@@ -10,8 +10,11 @@ Prometheus metrics (``metrics.py``) are updated from the same report. Keys are s
 from __future__ import annotations
 
 import logging
+import os
 import re
 import time
+
+from oasis_sglang.config import OasisConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +100,29 @@ def parse_decode_counters(line: str) -> dict[str, float | None]:
         m = re.search(pat, line)
         out[k] = float(m.group(1)) if m else None
     return out
+
+
+INTERVAL_ENV = "OASIS_DECODE_LOG_INTERVAL"
+
+
+def log_interval(sglang_interval) -> int:
+    """Decode steps between ``OasisKV decode`` lines: SGLang's ``--decode-log-interval`` (40 when
+    unset), or ``OASIS_DECODE_LOG_INTERVAL`` (benchmarks: each line reads the device counters, a
+    host sync that drains the overlap scheduler's queue, so a long interval measures its cost).
+
+    Raises:
+        OasisConfigError: the variable is not an integer >= 1 (named with its value).
+    """
+    v = os.environ.get(INTERVAL_ENV)
+    if v is None or not v.strip():
+        return int(sglang_interval or 40)
+    try:
+        n = int(v)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise OasisConfigError(f"{INTERVAL_ENV}={v!r}: want an integer >= 1 (decode steps between OasisKV lines)")
+    return n
 
 
 class DecodeLog:

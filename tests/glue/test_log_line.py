@@ -273,3 +273,19 @@ def test_a_quiet_rank_writes_nothing_but_still_sizes_its_budget(seed, caplog):
         log.maybe_log()
     assert not [r for r in caplog.records if r.name == LOGGER]
     assert eng.budget.step_s is not None and eng.budget.step_s > 0 and log._logged_step == eng.stats.decode_steps
+
+
+def test_the_line_interval_is_sglangs_unless_the_benchmark_variable_sets_it(monkeypatch):
+    """``OASIS_DECODE_LOG_INTERVAL`` (benchmarks) overrides SGLang's ``--decode-log-interval``;
+    a bad value stops the start-up naming the variable."""
+    from oasis_sglang.config import OasisConfigError
+    from oasis_sglang.sglang_glue.log_line import log_interval
+
+    monkeypatch.delenv("OASIS_DECODE_LOG_INTERVAL", raising=False)
+    assert log_interval(10) == 10 and log_interval(None) == 40
+    monkeypatch.setenv("OASIS_DECODE_LOG_INTERVAL", "1000")
+    assert log_interval(10) == 1000
+    for bad in ("0", "-3", "ten", "2.5"):
+        monkeypatch.setenv("OASIS_DECODE_LOG_INTERVAL", bad)
+        with pytest.raises(OasisConfigError, match=f"OASIS_DECODE_LOG_INTERVAL='{bad}'"):
+            log_interval(10)
