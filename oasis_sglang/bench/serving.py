@@ -574,7 +574,9 @@ def tables(results: list[dict], a) -> str:
           f"{a.host_gib} GiB unless sized to the batch; KV cache dtype {getattr(a, 'kv_dtype', 'auto')}."
           + (f" Oasis predictions replay the churn profile {a.churn} (OASIS_CHURN, core/churn.py)."
              if getattr(a, "churn", None) else " Random-weight churn (about the whole cap every step)."), ""]
-    head = ("| run | most running | decode tok/s | step ms | output tok/s | TPOT ms | TTFT s | H2D MB/step | H2D GB/s | "
+    # "H2D GB/s over the step": the step's admitted bytes over the whole step time (how much of the
+    # step the link would be busy at that rate), not the copy kernels' own rate (a profile gives it)
+    head = ("| run | most running | decode tok/s | step ms | output tok/s | TPOT ms | TTFT s | H2D MB/step | H2D GB/s over the step | "
             "admitted / (req, layer, head) / step | hit rate | vs dense |")
     sep = "|---|---|---|---|---|---|---|---|---|---|---|---|"
     for suite in ("throughput", "context", "fetch-cap", "short", "stall", "paired"):

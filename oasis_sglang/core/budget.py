@@ -55,14 +55,14 @@ def share_budget(cand_pos: torch.Tensor, budget: torch.Tensor, clock: torch.Tens
 
 
 def _share_finite(cand_pos: torch.Tensor, budget: torch.Tensor, clock: torch.Tensor, K: int) -> torch.Tensor:
-    """``share_budget`` for a budget ``>= 0`` (a negative one is taken as every candidate)."""
+    """``share_budget`` for a budget ``>= 0`` (with a negative one the result is discarded by the caller)."""
     N, C = cand_pos.shape
     dev = cand_pos.device
     valid = cand_pos >= 0
     pos = torch.where(valid, cand_pos.long(), K)
     hist = torch.zeros(K + 1, dtype=torch.int64, device=dev).scatter_add_(0, pos.view(-1), torch.ones_like(pos.view(-1)))
     cum = hist[:K].cumsum(0)                                          # candidates at positions <= p
-    b = torch.where(budget < 0, cum[-1], budget)
+    b = budget
     full = (cum <= b).sum()                                           # positions 0 .. full-1 fit whole
     # (gather, not cum[t]: indexing with a 0-dim tensor reads it on the host, a sync a graph cannot hold)
     below = torch.where(full > 0, cum.gather(0, (full - 1).clamp(min=0).view(1)).squeeze(0), 0)
