@@ -347,6 +347,16 @@ def keep_trace() -> bool:
     return os.environ.get("OASIS_BENCH_KEEP_TRACE", "").strip().lower() in ("1", "true", "yes")
 
 
+def drop_traces(traces: list[Path]) -> None:
+    """Delete a profile's trace files, except the first one with ``keep_trace()``: it moves one
+    folder up (beside the results) as ``trace_<its name>``."""
+    for i, t in enumerate(traces):
+        if i == 0 and keep_trace():
+            t.replace(t.parent.parent / f"trace_{t.name}")
+        else:
+            t.unlink()
+
+
 def profile_steady_decode(srv, tag: str, steps: int, tdir: Path, done, timeout: float = 600,
                           grace: float = 60, min_running: int = 1) -> dict:
     """Once ``srv``'s decode phase is steady (``steady_running``), ask SGLang's profiler for
@@ -387,18 +397,10 @@ def profile_steady_decode(srv, tag: str, steps: int, tdir: Path, done, timeout: 
             except (EOFError, OSError) as e:     # the scheduler process is still writing it
                 last_err = e
             except ValueError as e:              # whole but unusable: no retry
-                for i, t in enumerate(traces):
-                    if keep_trace() and i == 0:
-                        t.replace(tdir.parent / f"trace_{t.name}")
-                    else:
-                        t.unlink()
+                drop_traces(traces)
                 return {"error": str(e)[:300]}
             else:
-                for i, t in enumerate(traces):
-                    if keep_trace() and i == 0:          # the raw trace beside the results
-                        t.replace(tdir.parent / f"trace_{t.name}")
-                    else:
-                        t.unlink()
+                drop_traces(traces)
                 return {**s, "running": n}
         if done.is_set():
             ended = ended or time.time()

@@ -598,3 +598,24 @@ def test_the_80gb_dense_pool_is_the_same_bytes_on_any_gpu(bench):
     assert f(143_771) == 0.475 and f(81_559) == 0.837 and f(40_000) == 0.9
     for mib in (143_771, 81_559, 97_871):
         assert abs(f(mib) * mib - 0.475 * 143_771) < 0.001 * mib
+
+
+@pytest.mark.parametrize("value,kept", [(None, False), ("0", False), ("1", True), ("yes", True)])
+def test_profile_traces_are_deleted_unless_kept(tmp_path, monkeypatch, value, kept):
+    """``OASIS_BENCH_KEEP_TRACE`` in ``1 / true / yes`` moves the first trace beside the results
+    (``trace_<name>``); every other trace, and all of them otherwise, are deleted."""
+    from oasis_sglang.bench.serving import drop_traces
+
+    if value is None:
+        monkeypatch.delenv("OASIS_BENCH_KEEP_TRACE", raising=False)
+    else:
+        monkeypatch.setenv("OASIS_BENCH_KEEP_TRACE", value)
+    tdir = tmp_path / ".traces"
+    tdir.mkdir()
+    traces = [tdir / f"run_a-TP-{r}.trace.json.gz" for r in (0, 1)]
+    for t in traces:
+        t.write_bytes(b"x")
+    drop_traces(traces)
+    assert not any(t.exists() for t in traces)
+    assert (tmp_path / "trace_run_a-TP-0.trace.json.gz").exists() == kept
+    assert not (tmp_path / "trace_run_a-TP-1.trace.json.gz").exists()
