@@ -99,14 +99,34 @@ class PredictionRecord:
         dev = self.seq.tolist()
         if self.host is None:
             logger.info("OasisKV: rebuilding the host record of predictions from the device (a decode step "
-                        "came without host rows)")
+                        "came without host rows, or a report found it wrong)")
         else:
-            bad = {r: (s, dev[r]) for r, s in self.host.items() if dev[r] != s}
+            bad = _disagreeing(self.host, dev)
             if bad:
                 logger.error("OasisKV: host record of predictions disagrees with the device for rows %s (host, "
-                             "device); rebuilt from the device", dict(list(bad.items())[:8]))
+                             "device); rebuilt from the device", bad)
         self.host = {r: s for r, s in enumerate(dev) if s >= 0}
+
+    def confirm_copy(self, host: dict[int, int], dev: Sequence[int]) -> bool:
+        """``confirm`` on copies taken at one point of the stream (``core.report.snapshot``: the
+        mirror as it was when the device record's copy was queued), with no host read now.
+
+        A mismatch is logged as an error and the live mirror is distrusted: the steps read the
+        device until the next report rebuilds it (``confirm``); the copy is too old to rebuild
+        from. Returns True when the copies agree."""
+        bad = _disagreeing(host, dev)
+        if bad:
+            logger.error("OasisKV: host record of predictions disagreed with the device for rows %s (host, "
+                         "device); the steps read the device until a report rebuilds it", bad)
+            self.distrust()
+        return not bad
 
     def distrust(self) -> None:
         """Stop trusting the mirror (every later step reads the device until ``confirm``)."""
         self.host = None
+
+
+def _disagreeing(host: dict[int, int], dev: Sequence[int]) -> dict[int, tuple[int, int]]:
+    """The first 8 rows of ``host`` whose context differs from ``dev``: ``{row: (host, device)}``."""
+    bad = {r: (s, dev[r]) for r, s in host.items() if dev[r] != s}
+    return dict(list(bad.items())[:8])

@@ -184,6 +184,11 @@ class PrefetchPipeline:
         """Drop the recorded wait timings (a replayed CUDA-graph step records none)."""
         self._wait_events = [None] * self.L
 
+    def wait_events(self) -> list:
+        """Each layer's last timed wait as recorded now: ``(before, after)`` CUDA events, or
+        ``None`` (``core.report.snapshot`` keeps them; each wait records fresh events)."""
+        return list(self._wait_events)
+
     def exposed_wait_ms(self) -> list[float]:
         """Milliseconds the compute stream stalled on each layer's transfer at its last wait.
 

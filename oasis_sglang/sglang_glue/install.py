@@ -101,6 +101,7 @@ def init_attention_backends_hook(result, model_runner, *args, **kwargs):
         runtime.pd_decode = pd == "decode"
     log = DecodeLog(engine, log_interval(getattr(sa, "decode_log_interval", 40)), make_metrics(sa) if first else None,
                     draft_match, emit=first)
+    runtime.log = log
     wrapped = {}
 
     def wrap(b):

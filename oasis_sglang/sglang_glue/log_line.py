@@ -1,10 +1,10 @@
 """The ``OasisKV decode:`` log line: its format, its one parser, and when it is written.
 
 The line is written at a request's first decode step and every ``--decode-log-interval`` decode
-steps (SGLang's own decode log uses the same flag). Building it reads the engine's device
-counters (``core/report.py``: a host sync), so the decode path writes it only then; the
-Prometheus metrics (``metrics.py``) are updated from the same report. Keys are stable:
-``scripts/run_demo.py``, ``bench_oasis`` and the tests parse the line with the functions here.
+steps (SGLang's own decode log uses the same flag). It reports the engine's device counters
+through a copy queued on the device and read once it has landed (``core/report.py``), so the
+decode loop never waits for the device for it; the Prometheus metrics (``metrics.py``) are
+updated from the same report. Keys are stable: ``scripts/run_demo.py``, ``bench_oasis`` and the tests parse the line with the functions here.
 """
 
 from __future__ import annotations
@@ -13,8 +13,10 @@ import logging
 import os
 import re
 import time
+from collections import deque
 
 from oasis_sglang.config import OasisConfigError
+from oasis_sglang.core.report import finish, snapshot
 
 logger = logging.getLogger(__name__)
 
@@ -107,8 +109,8 @@ INTERVAL_ENV = "OASIS_DECODE_LOG_INTERVAL"
 
 def log_interval(sglang_interval) -> int:
     """Decode steps between ``OasisKV decode`` lines: SGLang's ``--decode-log-interval`` (40 when
-    unset), or ``OASIS_DECODE_LOG_INTERVAL`` (benchmarks: each line reads the device counters, a
-    host sync that drains the overlap scheduler's queue, so a long interval measures its cost).
+    unset), or ``OASIS_DECODE_LOG_INTERVAL`` (benchmarks: a long interval measures what the lines
+    cost the decode loop).
 
     Raises:
         OasisConfigError: the variable is not an integer >= 1 (named with its value).
@@ -128,12 +130,18 @@ def log_interval(sglang_interval) -> int:
 class DecodeLog:
     """Writes the ``OasisKV decode`` line (and updates the metrics) for one engine.
 
+    A due line queues a copy of the engine's device counters (``core.report.snapshot``) and is
+    written once that copy has landed, at a later call (``poll``): the decode loop never waits
+    for the device. On CPU the copy is done at once, so the line is written at the step it is
+    about. Its checks (the prediction record, the invariant) run when it is written.
+
     Args:
         engine: the ``OasisSparseKV``. interval: decode steps between lines (>= 1).
         metrics: ``metrics.OasisMetrics`` or ``None``.
-        draft_match: callable returning ``(matches, drafts)`` or ``None`` (``spec_probe``).
+        draft_match: callable returning the speculative probe's ``[matches, drafts]`` (int64
+            ``[2]`` on the engine's device, copied with the report) or ``None`` (``spec_probe``).
         emit: write the line and update ``metrics``; ``False`` on TP ranks other than 0 (one
-            line per server; their step budget is still resized at each due line).
+            line per server; their step budget is still resized at each line).
     """
 
     def __init__(self, engine, interval: int = 40, metrics=None, draft_match=None, emit: bool = True):
@@ -141,39 +149,65 @@ class DecodeLog:
         self.draft_match = draft_match
         self.emit = emit
         self._logged_step = -1
-        self._mark: tuple[float, int, int] | None = None    # (time, decode steps, admitted blocks) at the last line
+        self._pending: deque = deque()      # (ReportSnapshot, host time, a request had just started)
+        # at the last line: (host time, its CUDA event or None, decode steps, admitted blocks)
+        self._mark: tuple | None = None
 
     def due(self) -> bool:
         """A line is due: a decode step ran, the last one started a request's decoding or is a
-        multiple of the interval, and no line was written for it yet."""
+        multiple of the interval, and no line was queued for it yet."""
         s = self.engine.stats
         return 0 < s.decode_steps != self._logged_step and (s.new_request_started or s.decode_steps % self.interval == 0)
 
     def maybe_log(self) -> None:
-        """Write the line when ``due`` (reads the device counters: a host sync)."""
+        """Write the lines whose copies have landed (``poll``), then queue one when ``due``."""
+        self.poll()
         if not self.due():
             return
         self._logged_step = self.engine.stats.decode_steps
-        r = self.engine.residency()          # (a host sync: the steps so far are done)
-        self._observe_step_time(r["admitted_blocks"])
-        if not self.emit:
-            return
-        r["draft_match"] = self.draft_match() if self.draft_match is not None else None
-        logger.info(format_residency(r))
-        if self.metrics is not None:
-            self.metrics.update(r)
+        dm = self.draft_match() if self.draft_match is not None else None
+        snap = snapshot(self.engine, None if dm is None else {"draft_match": dm})
+        self._pending.append((snap, time.perf_counter(), self.engine.stats.new_request_started))
+        self.poll()
 
-    def _observe_step_time(self, admitted_blocks: int) -> None:
-        """The decode step time and the bytes admitted per step since the last line (wall time
-        and counters over decode steps, after the sync of the report) size a link-fraction step
-        budget (``core.budget.TransferBudget.observe_step``)."""
-        now, steps = time.perf_counter(), self.engine.stats.decode_steps
-        if self._mark is not None and steps > self._mark[1]:
-            n = steps - self._mark[1]
-            step_s, budget = (now - self._mark[0]) / n, self.engine.budget
-            copied = max(0, admitted_blocks - self._mark[2]) * self.engine.block_bytes / n
+    def poll(self, wait: bool = False) -> int:
+        """Write the queued lines whose device copies have landed, oldest first (all of them,
+        waiting for the device, when ``wait``). Returns the number written.
+
+        Raises:
+            RuntimeError: a decoded token found its block not resident (``core.report.finish``).
+        """
+        n = 0
+        while self._pending and (wait or self._pending[0][0].ready()):
+            snap, t, started = self._pending.popleft()
+            r = finish(self.engine, snap)
+            self._observe_step_time(r, snap, t, started)
+            n += 1
+            if not self.emit:
+                continue
+            dm = r.pop("draft_match", None)
+            r["draft_match"] = None if dm is None else (int(dm[0]), int(dm[1]))
+            logger.info(format_residency(r))
+            if self.metrics is not None:
+                self.metrics.update(r)
+        return n
+
+    def _observe_step_time(self, r: dict, snap, t: float, started: bool) -> None:
+        """The decode step time and the bytes admitted per step since the last line size a
+        link-fraction step budget (``core.budget.TransferBudget.observe_step``). On CUDA the time
+        between two lines is the device time between their snapshots (their events), else the
+        host time between them."""
+        steps, admitted = r["decode_steps"], r["admitted_blocks"]
+        if self._mark is not None and steps > self._mark[2]:
+            t0, ev0, steps0, adm0 = self._mark
+            n, budget = steps - steps0, self.engine.budget
+            if ev0 is not None and snap.done is not None:
+                step_s = ev0.elapsed_time(snap.done) / 1e3 / n
+            else:
+                step_s = (t - t0) / n
+            copied = max(0, admitted - adm0) * self.engine.block_bytes / n
             # a line at a request's first decode step follows its prefill, whose time is not a
             # decode step's: such an interval may only lower the step time, never raise it
-            if not (self.engine.stats.new_request_started and budget.step_s is not None and step_s > budget.step_s):
+            if not (started and budget.step_s is not None and step_s > budget.step_s):
                 budget.observe_step(step_s, copied)
-        self._mark = (now, steps, admitted_blocks)
+        self._mark = (t, snap.done, steps, admitted)

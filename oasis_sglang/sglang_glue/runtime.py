@@ -19,12 +19,15 @@ class OasisRuntime:
             batch size (``graph_hooks.capture_one_shape_hook``).
         replay_dense: the last replayed step's bookkeeping chose the dense-path graph
             (``DecodeStep.dense``; read by ``graph_hooks.resolve_variant_hook``).
+        log: the engine's ``log_line.DecodeLog`` (its queued lines are written when their
+            copies land: at a later step, or when a request is freed).
     """
 
     engine: object
     batch_rows_host: list[int] | None = None
     capture_dense: bool = False
     replay_dense: bool = False
+    log: object = None
 
 
 def runtime_of(req_to_token_pool) -> OasisRuntime | None:

@@ -52,10 +52,14 @@ def can_run_graph_hook(result, self, forward_batch, *args, **kwargs):
 
 
 def req_free_hook(self, req, *args, **kwargs):
-    """BEFORE ``ReqToTokenPool.free``: free the request's working set."""
+    """BEFORE ``ReqToTokenPool.free``: free the request's working set, and write the
+    ``OasisKV decode`` lines whose copies have landed (the last request of a run finishes with
+    no later step to write them)."""
     rt = runtime_of(self)
     if rt is not None and req.req_pool_idx is not None:
         rt.engine.reset_rows([req.req_pool_idx])
+        if rt.log is not None:
+            rt.log.poll()
     return None
 
 

@@ -70,12 +70,11 @@ def _count_matches(draft, target) -> None:
     _match[1] += draft.numel()
 
 
-def draft_match() -> tuple[int, int] | None:
-    """``(drafts equal to the target's next token, drafts verified)`` since start-up; one host read."""
-    if _match is None:
-        return None
-    hits, total = _match.tolist()
-    return hits, total
+def draft_match() -> torch.Tensor | None:
+    """``[drafts equal to the target's next token, drafts verified]`` since start-up (int64 ``[2]``
+    on the device; ``DecodeLog`` copies it with its report, no host read here), or ``None``
+    before the first verify pass."""
+    return _match
 
 
 def eagle_sample_hook(original, *args, **kwargs):

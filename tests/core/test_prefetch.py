@@ -4,6 +4,8 @@ CPU runs the stages inline; on CUDA (the GPU smoke) the same tests run the three
 ``test_streams_equal_inline`` compares them with the inline CPU result.
 """
 
+import logging
+
 import pytest
 import torch
 
@@ -13,6 +15,7 @@ from oasis_sglang.core.bench_hooks import BenchHooks
 from oasis_sglang.core.attention import decode_attention
 from oasis_sglang.core.ops import TorchKVOps
 from oasis_sglang.core.prefetch import PREDICTORS, get_predictor
+from oasis_sglang.core.report import finish, snapshot
 
 BS, H, HQ, D = 4, 2, 6, 16          # D >= 16: the Triton kernels (CUDA-graph test) need it
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -250,6 +253,80 @@ def test_reset_rows_drops_predictions_and_slots(seed):
     eng.reset_rows([1])
     assert (eng.ws.ids[:, 1] == -1).all() and int(eng.record.seq[1]) == -1
     assert int(eng.record.seq[2]) == run.t + 1
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_snapshot_reports_the_step_it_was_taken_at(seed, device):
+    """``snapshot`` copies the report's device values at its point of the stream; ``finish`` reads
+    them later, after more steps ran: the report is the snapshot's, equal to ``residency`` then."""
+    eng = _engine(16, "previous", fetch_cap=1, device=device, measure=True)
+    run = Run(eng, [1, 2], 20, 40, device)
+    run.prefill()
+    for _ in range(3):
+        run.step(host=True)
+    now = eng.residency()
+    snap = snapshot(eng, {"draft_match": torch.tensor([3, 4], device=device)})
+    for _ in range(4):
+        run.step(host=True)                     # admits and evicts more blocks
+    later = finish(eng, snap)
+    assert later.pop("draft_match") == [3, 4]
+    for r in (now, later):
+        r.pop("exposed_wait_ms")
+    assert later == now
+    assert eng.residency()["decode_steps"] == now["decode_steps"] + 4
+    assert eng.residency()["admitted_blocks"] > now["admitted_blocks"], "the later steps admitted blocks"
+    with pytest.raises(ValueError, match="counters"):
+        snapshot(eng, {"counters": torch.zeros(1, device=device)})
+
+
+def test_a_snapshot_that_finds_the_mirror_wrong_distrusts_it_and_raises_on_a_miss(seed, caplog):
+    """The async report's checks: a host mirror that disagrees with the device record copied with it
+    is logged and distrusted (the steps then read the device; the next report rebuilds it), and a
+    token that missed its block raises when the report is read."""
+    eng = _engine(16, "previous")
+    run = Run(eng, [1, 2], 20, 40)
+    run.prefill()
+    run.step(host=True)
+    eng.record.host[2] += 5
+    snap = snapshot(eng)
+    with caplog.at_level(logging.ERROR, logger="oasis_sglang.core.prediction"):
+        r = finish(eng, snap)
+    assert r["prediction_check"] == "device" and eng.record.host is None
+    assert "2: (27, 22)" in caplog.text
+    snap = snapshot(eng)                         # untrusted: rebuilt (a host read) before the copy
+    assert eng.record.host == {1: 22, 2: 22} and finish(eng, snap)["prediction_check"] == "host"
+    eng.ws.violations += 2
+    snap = snapshot(eng)
+    with pytest.raises(RuntimeError, match="2 decoded token"):
+        finish(eng, snap)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the copy is asynchronous only on CUDA")
+@pytest.mark.gpu
+def test_a_snapshot_does_not_wait_for_the_device(seed):
+    """With ~0.2 s of work queued, ``snapshot`` returns at once and is not ``ready``; ``finish``
+    then waits for it and gives the report of that point (the overlap scheduler's GPU runs a step
+    ahead of the host: a report must not make the host wait)."""
+    import time
+
+    from oasis_sglang.kernels import get_kv_ops
+
+    eng = _engine(16, "previous", device="cuda", ops=get_kv_ops("triton"))
+    run = Run(eng, [1, 2], 20, 40, "cuda")
+    run.prefill()
+    run.step(host=True)
+    now = eng.residency()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(400_000_000)
+    t = time.perf_counter()
+    snap = snapshot(eng)
+    took = time.perf_counter() - t
+    assert not snap.ready() and took < 0.05, took
+    r = finish(eng, snap)
+    assert snap.ready()
+    for x in (now, r):
+        x.pop("exposed_wait_ms")
+    assert r == now
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="streams exist only on CUDA")

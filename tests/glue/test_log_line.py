@@ -24,31 +24,33 @@ class Driver:
     """Prefill then decode requests through every sparse layer, as the attention backend does
     (``write_kv`` + ``extend_attention``; ``begin_decode_step`` + ``write_kv`` + ``decode_attention``)."""
 
-    def __init__(self, eng):
-        self.eng = eng
-        self.rt = torch.zeros(5, 64, dtype=torch.int32)
+    def __init__(self, eng, device="cpu"):
+        self.eng, self.dev = eng, device
+        self.rt = torch.zeros(5, 64, dtype=torch.int32, device=device)
         self.t = {}
 
     def prefill(self, rows, n):
-        e, r, B = self.eng, torch.tensor(rows), len(rows)
+        e, d, B = self.eng, self.dev, len(rows)
+        r = torch.tensor(rows, device=d)
         for row in rows:                                   # each row its own 64 token slots (16 pages)
-            self.rt[row, :] = torch.arange(64, dtype=torch.int32) + 64 * (row - 1)
+            self.rt[row, :] = torch.arange(64, dtype=torch.int32, device=d) + 64 * (row - 1)
             self.t[row] = n
         for l in e.sparse_layers:
-            k, v = torch.randn(B * n, H, D), torch.randn(B * n, H, D)
+            k, v = torch.randn(B * n, H, D, device=d), torch.randn(B * n, H, D, device=d)
             e.write_kv(l, self.rt[r, :n].reshape(-1).long(), k, v)
-            e.extend_attention(l, torch.randn(B * n, HQ, D), r, torch.zeros(B, dtype=torch.long),
+            e.extend_attention(l, torch.randn(B * n, HQ, D, device=d), r, torch.zeros(B, dtype=torch.long),
                                torch.full((B,), n), self.rt, None, k, v)
 
     def decode(self, rows):
-        e, r, B = self.eng, torch.tensor(rows), len(rows)
-        pos = torch.tensor([self.t[x] for x in rows])
+        e, d, B = self.eng, self.dev, len(rows)
+        r = torch.tensor(rows, device=d)
+        pos = torch.tensor([self.t[x] for x in rows], device=d)
         seq = pos + 1
         e.begin_decode_step(r, seq, self.rt, max_seq_len=int(seq.max()), rows_host=rows, seq_lens_host=seq.tolist())
         for l in e.sparse_layers:
-            k, v = torch.randn(B, H, D), torch.randn(B, H, D)
+            k, v = torch.randn(B, H, D, device=d), torch.randn(B, H, D, device=d)
             e.write_kv(l, self.rt[r, pos].long(), k, v, decode=True)
-            e.decode_attention(l, torch.randn(B, HQ, D), k, v, None)
+            e.decode_attention(l, torch.randn(B, HQ, D, device=d), k, v, None)
         for x in rows:
             self.t[x] += 1
 
@@ -131,7 +133,7 @@ def test_the_line_is_written_at_a_first_decode_step_and_every_interval(seed, cap
         def update(self, r):
             updates.append(r["decode_steps"])
 
-    log = DecodeLog(eng, interval=4, metrics=Sink(), draft_match=lambda: (1, 2))
+    log = DecodeLog(eng, interval=4, metrics=Sink(), draft_match=lambda: torch.tensor([1, 2]))
     caplog.set_level(logging.INFO, logger=LOGGER)
 
     def lines():
@@ -289,3 +291,32 @@ def test_the_line_interval_is_sglangs_unless_the_benchmark_variable_sets_it(monk
         monkeypatch.setenv("OASIS_DECODE_LOG_INTERVAL", bad)
         with pytest.raises(OasisConfigError, match=f"OASIS_DECODE_LOG_INTERVAL='{bad}'"):
             log_interval(10)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the report's copy is asynchronous only on CUDA")
+@pytest.mark.gpu
+def test_a_due_line_is_written_when_its_copy_lands_and_never_waits(seed, caplog):
+    """On CUDA a due line queues its copy and returns (the GPU still has ~0.2 s of work queued);
+    it is written by a later call once the copy has landed, about the step it was due at."""
+    import time
+
+    cfg = OasisConfig(budget_tokens=16, block_size=BS, dense_layers=(0,), predictor="previous")
+    eng = OasisSparseKV(cfg, 3, 256, 5, H, D, D, torch.float32, "cuda")
+    run = Driver(eng, "cuda")
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    log = DecodeLog(eng, interval=1)
+
+    def lines():
+        return [r.getMessage() for r in caplog.records if r.name == LOGGER]
+
+    run.prefill([1], 20)
+    run.decode([1])
+    torch.cuda.synchronize()
+    torch.cuda._sleep(400_000_000)
+    t = time.perf_counter()
+    log.maybe_log()
+    assert time.perf_counter() - t < 0.05 and not lines(), "the line waited for the device"
+    torch.cuda.synchronize()
+    assert log.poll() == 1
+    assert parse_decode_counters(lines()[0])["decode_steps"] == 1
+    assert parse_residency(lines()[0])["context"] == [21]
