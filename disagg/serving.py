@@ -78,7 +78,15 @@ in flight); ``wait`` reads inside each layer's transfer stage and waits. With ``
 ``predictor: previous`` the glue keeps the decode step in SGLang's CUDA graphs (H200, 8 x 16K:
 782 tok/s vs 79.6 eager; ``sglang_glue/server_args._pd_decode_graph_blocker``).
 
-Not built here: TP > 1 with PD; CUDA graphs with a draft model on the PD decode node.
+TP: both nodes run the same ``--tp-size``; decode rank ``r`` reads its KV heads from prefill rank
+``r`` (the layout each rank PUTs to the bootstrap server says its rank and size). What one rank's
+NIXL agent sees is acted on by all ranks at the same loop iteration (``tp_agree``: SGLang's TP
+schedulers must keep the same batches and free pages): a lease is freed once every prefill rank
+would free it, a request ends on every decode rank when one rank cannot admit it or lost its
+prefill rank. Tested on the CPU engine (``--tp 3``); not on a GPU.
+
+Not built here: CUDA graphs with a draft model on the PD decode node; TP with different sizes
+on the two nodes.
 
 Imports SGLang only inside the hook functions (``disagg/`` and ``sglang_glue/`` are the only
 SGLang importers).
@@ -136,6 +144,41 @@ def connect_host(host: str) -> str:
     return {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
 
 
+def tp_agree(local: dict[int, str], group=None, every: bool = False) -> dict[int, str]:
+    """A decision every TP rank of a node must take alike, from what each rank saw itself.
+
+    SGLang's TP schedulers run in lockstep and expect the same batches and the same free pages
+    on every rank; what one rank's NIXL agent saw (a release, an expiry, a lost peer, a failed
+    admission) must therefore be acted on by all of them at the same loop iteration. Each rank
+    calls this at the same point of its loop (a collective over ``group``).
+
+    Args:
+        local: ``{key: why}`` this rank would act on (keys: bootstrap rooms or request rows,
+            equal across ranks). group: SGLang's attention-TP CPU (gloo) group; ``None`` or a
+            group of one: ``local`` is returned as it is.
+        every: act only on keys every rank holds (freeing a lease: wait until each rank's
+            counterpart released it) instead of keys any rank holds (ending a request).
+    Returns:
+        the agreed ``{key: why}`` (``why`` of the lowest rank that holds the key), a new dict.
+    """
+    if group is None:
+        return dict(local)
+    import torch.distributed as dist
+
+    n = dist.get_world_size(group)
+    if n <= 1:
+        return dict(local)
+    cnt = torch.tensor([len(local)], dtype=torch.int64)
+    dist.all_reduce(cnt, op=dist.ReduceOp.MIN if every else dist.ReduceOp.MAX, group=group)
+    if int(cnt) == 0:
+        return {}
+    seen: list = [None] * n
+    dist.all_gather_object(seen, sorted(local.items()), group=group)
+    dicts = [dict(x) for x in seen]
+    keys = set(dicts[0]).intersection(*dicts[1:]) if every else set().union(*dicts)
+    return {k: next(d[k] for d in dicts if k in d) for k in sorted(keys)}
+
+
 def agent_name(role: str, tp_rank: int) -> str:
     """A NIXL agent name unique per process: ``oasis-<role>-<8 hex>-tp<rank>``."""
     return f"oasis-{role}-{uuid.uuid4().hex[:8]}-tp{tp_rank}"
@@ -168,18 +211,23 @@ class PrefillSide:
 
     Args:
         engine: this rank's ``core.OasisSparseKV``. lease_s: ``OasisConfig.pd_lease_s``.
-        tp_rank: this rank (names the NIXL agent).
+        tp_rank, tp_size: this (attention) TP rank, which names the NIXL agent, and the node's
+            TP size; both go in the layout (a decode rank reads from the prefill rank of its own
+            KV heads: ``TierLayout.compatible``).
     """
 
     role = "prefill"
 
-    def __init__(self, engine, lease_s: float, tp_rank: int = 0):
+    def __init__(self, engine, lease_s: float, tp_rank: int = 0, tp_size: int = 1):
         self.engine = engine
         self.tier = NixlTier(engine.host.k, engine.host.v, agent_name("prefill", tp_rank),
                              cpu_engine=engine.device.type == "cpu", sparse_layers=tuple(engine.sparse_layers),
-                             num_layers=engine.num_layers)
+                             num_layers=engine.num_layers, tp=(tp_rank, tp_size))
         self.lease_s = float(lease_s)
         self.leases: dict[int, Lease] = {}
+        # leases this rank would free (released here, or expired) -> "released" / "expired"; with
+        # TP they are freed once every rank would (``tp_agree``), so the ranks' pages stay alike
+        self.freeing: dict[int, str] = {}
         self.released = self.expired = 0
         self.first_steps_sent = 0        # requests sent with a first-step working set planned here
 
@@ -261,6 +309,7 @@ class PrefillSide:
         once); ``tokens``: the KV slots it holds outside the radix cache (SGLang's idle memory
         check counts them); ``page``: the page of its last transferred token (:class:`Lease`)."""
         room = int(room)
+        self.freeing.pop(room, None)
         old = self.leases.pop(room, None)
         if old is not None:          # a room transferred again while its lease is held: free the old pages first
             self._free(room, old)
@@ -277,22 +326,22 @@ class PrefillSide:
         """KV slots (tokens) held by leases, outside the radix cache."""
         return sum(x.tokens for x in self.leases.values())
 
-    def poll(self, now: float | None = None) -> int:
+    def poll(self, now: float | None = None, group=None) -> int:
         """Free the leases the decode nodes released (NIXL notifications) or that expired.
-        Called from the prefill scheduler's loop. Returns leases freed.
+        Called from the prefill scheduler's loop, at the same iteration on every TP rank
+        (``group``: SGLang's attention-TP CPU group; a lease is freed once every rank would free
+        it, ``tp_agree``). Returns leases freed.
 
         Messages: ``oasis-release:<room>[:<page>]`` and ``oasis-renew:<room>``. With ``page`` (the
         transfer's last page here, :class:`Lease`), only the lease of that transfer is freed: a
         release sent when a request was retracted on its decode node cannot free the lease of its
-        recompute's transfer."""
-        n = 0
-        if self.tier.closed:
-            return 0
-        try:
-            notifs = self.tier.agent.get_new_notifs()
-        except Exception as e:  # noqa: BLE001 - a notification error must not stop the prefill loop
-            logger.warning("OasisKV PD: reading NIXL notifications failed: %s", e)
-            notifs = {}
+        recompute's transfer. A renewal takes back an expiry not yet agreed."""
+        notifs = {}
+        if not self.tier.closed:
+            try:
+                notifs = self.tier.agent.get_new_notifs()
+            except Exception as e:  # noqa: BLE001 - a notification error must not stop the prefill loop
+                logger.warning("OasisKV PD: reading NIXL notifications failed: %s", e)
         now = time.monotonic() if now is None else now
         for msgs in notifs.values():
             for m in msgs:
@@ -301,24 +350,33 @@ class PrefillSide:
                 if not (digits.isdigit() and len(digits) <= 20) or (sep and not (g.isdigit() and len(g) <= 19)):
                     continue                 # not ours, or malformed: ignored
                 room, page = int(digits), int(g) if sep else None
-                if kind == RENEW:
-                    if room in self.leases:
-                        self.leases[room].deadline = now + self.lease_s
-                    continue
                 held = self.leases.get(room)
-                if page is not None and held is not None and held.page is not None and held.page != page:
+                if held is None:
+                    continue
+                if kind == RENEW:
+                    held.deadline = now + self.lease_s
+                    if self.freeing.get(room) == "expired":
+                        del self.freeing[room]
+                    continue
+                if page is not None and held.page is not None and held.page != page:
                     continue                 # the release of an earlier transfer of this room
-                lease = self.leases.pop(room, None)
-                if lease is not None:
-                    self._free(room, lease)
-                    self.released += 1
-                    n += 1
-        for room in [r for r, x in self.leases.items() if x.deadline <= now]:
-            lease = self.leases.pop(room)
-            logger.warning("OasisKV PD: lease of request %s (room %d) expired: no release or renewal from its "
-                           "decode node for %.0f s; its pages are freed", lease.rid, room, self.lease_s)
+                self.freeing[room] = "released"
+        for room, x in self.leases.items():
+            if x.deadline <= now and room not in self.freeing:
+                self.freeing[room] = "expired"
+        n = 0
+        for room, why in tp_agree(self.freeing, group, every=True).items():
+            self.freeing.pop(room, None)
+            lease = self.leases.pop(room, None)
+            if lease is None:
+                continue
+            if why == "expired":
+                logger.warning("OasisKV PD: lease of request %s (room %d) expired: no release or renewal from its "
+                               "decode node for %.0f s; its pages are freed", lease.rid, room, self.lease_s)
+                self.expired += 1
+            else:
+                self.released += 1
             self._free(room, lease)
-            self.expired += 1
             n += 1
         if n:
             logger.info("OasisKV PD: freed %d lease(s); released by decode nodes: %d, expired: %d, held now: %d",
@@ -369,7 +427,10 @@ class DecodeSide:
         engine: this rank's ``core.OasisSparseKV`` (``attach_remote`` is called on it).
         pool: the ``OasisKVPool`` (its ``pd_page_ids`` receive the prefill pages).
         read_timeout_s: ``OasisConfig.pd_read_timeout_s`` (seconds per NIXL read).
-        tp_rank: this rank (names the NIXL agent). lease_s: ``OasisConfig.pd_lease_s``
+        tp_rank: this (attention) TP rank (names the NIXL agent; its blocks are read from the
+            prefill node's rank of the same number, which holds the same KV heads).
+        tp_size: the node's TP size (must equal the prefill node's: ``TierLayout.compatible``).
+        lease_s: ``OasisConfig.pd_lease_s``
             (leases are renewed every quarter to three eighths of it, or of the prefill node's
             if shorter, by a thread started at the first admission: :meth:`renew`).
         free_pages: returns ``[F]`` int64 the pages SGLang's allocator holds free, those of
@@ -386,12 +447,13 @@ class DecodeSide:
     RETRY_S = 10.0        # a prefill node whose layout could not be had is asked again after this
 
     def __init__(self, engine, pool, read_timeout_s: float, tp_rank: int = 0, lease_s: float = 60.0,
-                 free_pages=None):
+                 free_pages=None, tp_size: int = 1):
         self.engine, self.pool = engine, pool
         self.free_pages = free_pages
+        self.tp_rank = int(tp_rank)
         self.tier = NixlTier(engine.host.k, engine.host.v, agent_name("decode", tp_rank),
                              cpu_engine=engine.device.type == "cpu", sparse_layers=tuple(engine.sparse_layers),
-                             num_layers=engine.num_layers)
+                             num_layers=engine.num_layers, tp=(tp_rank, tp_size))
         self.fetcher = RemoteBlockFetcher(self.tier, timeout_s=read_timeout_s)
         self.remote = RemoteBlocks(len(engine.sparse_layers), engine.head_num, engine.host.num_pages,
                                    fetch=self.fetcher.fetch, device=engine.device,
@@ -460,7 +522,7 @@ class DecodeSide:
         import requests
 
         h = connect_host(key[0])
-        url = f"http://{'[' + h + ']' if ':' in h else h}:{key[1]}{TIER_ROUTE}?rank=0"
+        url = f"http://{'[' + h + ']' if ':' in h else h}:{key[1]}{TIER_ROUTE}?rank={self.tp_rank}"
         why = "no answer"
         for i in range(tries):
             try:

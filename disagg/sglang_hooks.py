@@ -11,7 +11,7 @@ import logging
 
 import base64
 
-from .serving import TIER_ROUTE, DecodeSide, PrefillSide, connect_host, side
+from .serving import TIER_ROUTE, DecodeSide, PrefillSide, connect_host, side, tp_agree
 from .transport import TierLayout
 
 logger = logging.getLogger(__name__)
@@ -185,8 +185,15 @@ def prefill_poll_hook(result, self, *args, **kwargs):
     loop iteration): free the leases released by decode nodes or expired."""
     s = side()
     if isinstance(s, PrefillSide):
-        s.poll()
+        s.poll(group=_tp_group(self))
     return result
+
+
+def _tp_group(scheduler):
+    """SGLang's attention-TP CPU (gloo) group of a scheduler, or ``None`` with one rank."""
+    if int(getattr(scheduler, "attn_tp_size", getattr(scheduler, "tp_size", 1)) or 1) <= 1:
+        return None
+    return getattr(scheduler, "attn_tp_cpu_group", None) or getattr(scheduler, "tp_cpu_group", None)
 
 
 def pop_transferred_hook(result, self, *args, **kwargs):
@@ -200,6 +207,7 @@ def pop_transferred_hook(result, self, *args, **kwargs):
     rtt = self.scheduler.req_to_token_pool.req_to_token
     if s.draft_page_bytes is None:
         s.draft_page_bytes = _draft_page_bytes(self.scheduler)
+    failed: dict[int, str] = {}
     for req in result:
         if req.bootstrap_host == FAKE_BOOTSTRAP_HOST:     # SGLang's warm-up: no prefill node, no KV sent
             continue
@@ -208,8 +216,14 @@ def pop_transferred_hook(result, self, *args, **kwargs):
                     req.bootstrap_port, req.bootstrap_room, req.rid, install=False)
         except Exception as e:  # noqa: BLE001 - one request's admission must not stop the decode loop
             logger.error("OasisKV PD: request %s cannot be admitted: %s", req.rid, e)
-            _abort(req, f"OasisKV PD: cannot admit the request: {e}")
+            failed[int(req.req_pool_idx)] = str(e)
             s.refuse(req.bootstrap_host, req.bootstrap_port, req.bootstrap_room, req.rid)
+    # with TP every rank ends a request one rank could not admit (its rows are freed as usual)
+    failed = tp_agree(failed, _tp_group(self.scheduler))
+    for req in result:
+        why = failed.get(int(req.req_pool_idx)) if req.req_pool_idx is not None else None
+        if why is not None:
+            _abort(req, f"OasisKV PD: cannot admit the request: {why}")
     try:
         s.install_first_steps()      # one READ per prefill node for every admitted request's first step
     except Exception:  # noqa: BLE001 - the rows then select their first steps themselves
@@ -340,30 +354,38 @@ def _abort(req, message: str) -> None:
     req.to_finish = FINISH_ABORT(message, HTTPStatus.INTERNAL_SERVER_ERROR, "InternalServerError")
 
 
-def abort_lost(batch) -> None:
+def abort_lost(batch, group=None) -> None:
     """Before a decode batch runs (``scheduler_hooks.run_batch_hook``): end with an error the
     requests whose prefill node was lost (their blocks cannot be read any more) or whose lease
     there was not renewed for most of its length (``DecodeSide.cut_off_stale``: the pages may be
     another request's by now, so no read of them starts again, also not in the request's last
-    forward). (Leases are renewed by ``DecodeSide``'s renewal thread, not here.)"""
+    forward). (Leases are renewed by ``DecodeSide``'s renewal thread, not here.) With TP
+    (``group``: SGLang's attention-TP CPU group, the same batch on every rank) a request ends on
+    every rank when one rank lost its prefill rank or found it stale (``serving.tp_agree``)."""
     s = side()
     if not isinstance(s, DecodeSide):
         return
     reqs = getattr(batch, "reqs", None) or []
     stale = s.cut_off_stale()
-    if not s.remote.lost and not stale:
+    ends: dict[int, str] = {}
+    if s.remote.lost or stale:
+        lost = s.lost_rows()
+        for req in reqs:
+            if req.to_finish is not None or req.finished_reason is not None or req.req_pool_idx is None:
+                continue
+            why = lost.get(req.req_pool_idx)
+            if why is not None:
+                ends[int(req.req_pool_idx)] = f"its prefill node was lost ({why})"
+            elif req.req_pool_idx in stale:
+                ends[int(req.req_pool_idx)] = ("its KV cache on its prefill node can no longer be relied on "
+                                               f"({stale[req.req_pool_idx]})")
+    ends = tp_agree(ends, group)
+    if not ends:
         return
-    lost = s.lost_rows()
     for req in reqs:
-        why = lost.get(req.req_pool_idx)
-        if req.to_finish is not None or req.finished_reason is not None:
+        why = ends.get(req.req_pool_idx) if req.req_pool_idx is not None else None
+        if why is None or req.to_finish is not None or req.finished_reason is not None:
             continue
-        if why is not None:
-            logger.error("OasisKV PD: request %s ends: its prefill node was lost (%s)", req.rid, why)
-            _abort(req, f"OasisKV PD: the prefill node holding this request's KV cache was lost ({why})")
-            s.aborted += 1
-        elif req.req_pool_idx in stale:
-            why = stale[req.req_pool_idx]
-            logger.error("OasisKV PD: request %s ends: %s", req.rid, why)
-            _abort(req, f"OasisKV PD: this request's KV cache on its prefill node can no longer be relied on ({why})")
-            s.aborted += 1
+        logger.error("OasisKV PD: request %s ends: %s", req.rid, why)
+        _abort(req, f"OasisKV PD: this request ends: {why}")
+        s.aborted += 1

@@ -60,7 +60,8 @@ class TierLayout:
     transferred request's pages without a renewal (its ``pd_lease_s``; 0: not said). The model's
     shape as the tier holds it: ``num_layers`` model layers (0: not said) and ``sparse_layers``
     the model layer of each buffer pair (empty: not said), ``dtype`` the tier's element type
-    (empty: not said). Two nodes whose ``dense_layers`` differ in position but not in number
+    (empty: not said), ``tp_rank`` / ``tp_size`` the TP rank whose KV heads it holds and its
+    node's TP size (``tp_size`` 0: not said). Two nodes whose ``dense_layers`` differ in position but not in number
     have tiers of the same sizes, and SGLang's transfer would copy one layer's KV and summaries
     into another's places, so ``compatible`` compares these too.
     ``from_bytes`` ignores fields a later version adds and raises ValueError for a ``lease_s``
@@ -80,6 +81,8 @@ class TierLayout:
     num_layers: int = 0         # model layers (0: not said, an older layout)
     sparse_layers: tuple[int, ...] = ()   # the model layer of each (k_ptrs, v_ptrs) pair (empty: not said)
     dtype: str = ""             # the tier's element type, e.g. "torch.bfloat16" (empty: not said)
+    tp_rank: int = 0            # the (attention) TP rank whose KV heads the tier holds
+    tp_size: int = 0            # its node's TP size (0: not said, an older layout)
 
     def to_bytes(self) -> bytes:
         d = {f: getattr(self, f) for f in self.__dataclass_fields__}
@@ -102,6 +105,13 @@ class TierLayout:
         ls = lay.lease_s
         if isinstance(ls, bool) or not isinstance(ls, (int, float)) or not 0 <= ls <= 86400:
             raise ValueError(f"OasisKV PD: tier layout: lease_s {ls!r}: want seconds in 0..86400")
+        for f in ("tp_size", "tp_rank"):
+            x = getattr(lay, f)
+            if isinstance(x, bool) or not isinstance(x, int) or x < 0 or (f == "tp_rank" and lay.tp_size
+                                                                          and x >= lay.tp_size):
+                raise ValueError(f"OasisKV PD: tier layout: {f} {x!r}: want an integer in 0..tp_size-1 "
+                                 f"(tp_size {lay.tp_size!r})" if f == "tp_rank" else
+                                 f"OasisKV PD: tier layout: {f} {x!r}: want an integer >= 0")
         if len(lay.k_ptrs) != len(lay.v_ptrs):
             raise ValueError(f"OasisKV PD: tier layout: {len(lay.k_ptrs)} k_ptrs, {len(lay.v_ptrs)} v_ptrs")
         if lay.sparse_layers and len(lay.sparse_layers) != len(lay.k_ptrs):
@@ -111,6 +121,10 @@ class TierLayout:
 
     def compatible(self, other: "TierLayout") -> str | None:
         """Why blocks of ``other`` cannot be copied into this tier's places, or ``None``."""
+        if self.tp_size and other.tp_size and (self.tp_size, self.tp_rank) != (other.tp_size, other.tp_rank):
+            return (f"TP rank {other.tp_rank} of {other.tp_size} (peer) != rank {self.tp_rank} of {self.tp_size} "
+                    f"(here): a decode rank reads its KV heads from the prefill rank holding the same ones (give "
+                    f"both nodes the same --tp-size)")
         if self.dtype and other.dtype and self.dtype != other.dtype:
             return f"KV cache dtype {other.dtype} (peer) != {self.dtype} (here) (--kv-cache-dtype must match)"
         for f in ("head_num", "block_size", "k_piece_bytes", "v_piece_bytes"):
@@ -242,7 +256,8 @@ class NixlTier:
     """
 
     def __init__(self, k: list[torch.Tensor], v: list[torch.Tensor], name: str, backends=("UCX",),
-                 cpu_engine: bool | None = None, sparse_layers: tuple[int, ...] = (), num_layers: int = 0):
+                 cpu_engine: bool | None = None, sparse_layers: tuple[int, ...] = (), num_layers: int = 0,
+                 tp: tuple[int, int] = (0, 0)):
         if len(k) != len(v) or not k:
             raise ValueError(f"NixlTier: {len(k)} K and {len(v)} V buffers: want one of each per sparse layer")
         for t in k + v:
@@ -254,6 +269,7 @@ class NixlTier:
             raise ValueError(f"NixlTier: {len(sparse_layers)} sparse_layers for {len(k)} buffer pairs")
         self.k, self.v, self.name = k, v, name
         self.sparse_layers, self.num_layers = tuple(int(x) for x in sparse_layers), int(num_layers)
+        self.tp = (int(tp[0]), int(tp[1]))
         H, P, bs, D = k[0].shape
         es = k[0].element_size()
         self.head_num, self.num_pages, self.block_size = H, P, bs
@@ -269,7 +285,7 @@ class NixlTier:
         return TierLayout(self.name, self.agent.get_agent_metadata(), tuple(t.data_ptr() for t in self.k),
                           tuple(t.data_ptr() for t in self.v), self.num_pages, self.head_num, self.block_size,
                           self.k_piece, self.v_piece, float(lease_s), self.num_layers, self.sparse_layers,
-                          str(self.k[0].dtype))
+                          str(self.k[0].dtype), *self.tp)
 
     def close(self) -> None:
         """Deregister the buffers and let go of the agent. NIXL's progress thread busy-polls one

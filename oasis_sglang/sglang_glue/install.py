@@ -95,9 +95,9 @@ def init_attention_backends_hook(result, model_runner, *args, **kwargs):
         # blocks, registered with NIXL (disagg/serving.py)
         from oasis_sglang.disagg import serving
 
-        serving.set_side(serving.PrefillSide(engine, cfg.pd_lease_s, tp_rank) if pd == "prefill" else
+        serving.set_side(serving.PrefillSide(engine, cfg.pd_lease_s, tp_rank, tp_size) if pd == "prefill" else
                          serving.DecodeSide(engine, pool, cfg.pd_read_timeout_s, tp_rank, cfg.pd_lease_s,
-                                            free_pages=lambda: _free_pages(model_runner)))
+                                            free_pages=lambda: _free_pages(model_runner), tp_size=tp_size))
         runtime.pd_decode = pd == "decode"
     log = DecodeLog(engine, log_interval(getattr(sa, "decode_log_interval", 40)), make_metrics(sa) if first else None,
                     draft_match, emit=first)

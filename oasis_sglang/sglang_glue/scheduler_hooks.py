@@ -19,9 +19,9 @@ def run_batch_hook(self, batch, *args, **kwargs):
         rows = None if reqs is None else [r.req_pool_idx for r in reqs]
         rt.batch_rows_host = None if rows is None or any(r is None for r in rows) else rows
         if getattr(rt, "pd_decode", False):
-            from oasis_sglang.disagg.sglang_hooks import abort_lost
+            from oasis_sglang.disagg.sglang_hooks import _tp_group, abort_lost
 
-            abort_lost(batch)
+            abort_lost(batch, _tp_group(self))
     return None
 
 

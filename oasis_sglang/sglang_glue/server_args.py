@@ -247,7 +247,9 @@ def _pd_args(args, mode: str, spec: bool, bad) -> None:
 
     Raises:
         OasisConfigError: a transfer backend other than NIXL, a speculative algorithm other
-            than EAGLE3 or TP > 1 with PD (not built), or ``nixl`` not installed.
+            than EAGLE3, or ``nixl`` not installed. (TP: both nodes must run the same TP size;
+            a decode node checks its prefill node's at the first request from it:
+            ``disagg.transport.TierLayout.compatible``.)
     """
     if mode not in ("prefill", "decode"):
         bad("--disaggregation-mode", f"{mode!r}: want prefill or decode")
@@ -265,9 +267,6 @@ def _pd_args(args, mode: str, spec: bool, bad) -> None:
     if spec and algo != "EAGLE3":
         bad("--speculative-algorithm", f"{algo} cannot be combined with --disaggregation-mode: only EAGLE3 is "
             "built and tested with PD (its draft model's KV is sent whole by SGLang's transfer)")
-    if (getattr(args, "tp_size", 1) or 1) > 1:
-        bad("--tp-size", "must be 1 with --disaggregation-mode for now (a decode rank would read its KV heads "
-            "from the prefill ranks holding them: not built)")
     try:
         import nixl  # noqa: F401
     except ImportError:

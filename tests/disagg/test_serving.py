@@ -732,3 +732,44 @@ def test_a_release_after_sglangs_free_group_ended_keeps_a_new_requests_blocks(se
     finally:
         ds.close()
         ps.close()
+
+
+AGREE = r"""
+import json, sys
+import torch.distributed as dist
+from oasis_sglang.disagg.serving import tp_agree
+rank, n, init = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+dist.init_process_group("gloo", init_method=init, rank=rank, world_size=n)
+g = dist.new_group(list(range(n)), backend="gloo")
+local = [{7: "r0 released", 9: "r0 expired", 11: "r0"}, {7: "r1 released", 9: "r1"}, {7: "r2", 5: "r2"}][rank]
+out = {"every": tp_agree(local, g, every=True), "any": tp_agree(local, g),
+       "none": tp_agree({} if rank else {3: "r0"}, g, every=True), "empty": tp_agree({}, g)}
+print(json.dumps({k: sorted(v.items()) for k, v in out.items()}))
+dist.destroy_process_group()
+"""
+
+
+def test_tp_ranks_agree_on_what_one_or_every_rank_saw(tmp_path):
+    """``tp_agree`` over a real 3-rank gloo group (SGLang's TP CPU group is one): every rank gets
+    the same answer; ``every`` keeps the keys all ranks hold (freeing a lease), the default those
+    any rank holds (ending a request), each with the lowest rank's reason; one rank with nothing
+    makes ``every`` empty; without a group the local dict comes back (a copy)."""
+    import json
+    import subprocess
+    import sys
+
+    init = f"file://{tmp_path / 'store'}"
+    procs = [subprocess.Popen([sys.executable, "-c", AGREE, str(r), "3", init], stdout=subprocess.PIPE, text=True)
+             for r in range(3)]
+    outs = [json.loads(p.communicate(timeout=120)[0].strip().splitlines()[-1]) for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    assert outs[0] == outs[1] == outs[2]
+    got = outs[0]
+    assert got["every"] == [[7, "r0 released"]]
+    assert got["any"] == [[5, "r2"], [7, "r0 released"], [9, "r0 expired"], [11, "r0"]]
+    assert got["none"] == [] and got["empty"] == []
+    from oasis_sglang.disagg.serving import tp_agree
+
+    local = {1: "x"}
+    out = tp_agree(local, None)
+    assert out == local and out is not local

@@ -125,6 +125,34 @@ def test_dense_layers_in_other_positions_or_another_dtype_are_refused(seed):
             n.close()
 
 
+def test_a_decode_rank_reads_only_from_the_prefill_rank_of_its_kv_heads(seed):
+    """TP with PD: the layout says its TP rank and size; a peer of another rank or TP size is
+    refused naming --tp-size (its KV heads are not this rank's), one of the same rank and size
+    is taken, and bad rank fields are refused when the layout is read."""
+    a, b = HostTier(L, P, BS, H, D, D, torch.float32), HostTier(L, P, BS, H, D, D, torch.float32)
+    here = NixlTier(a.k, a.v, f"dc1-{seed}", tp=(1, 3))
+    peers = {tp: NixlTier(b.k, b.v, f"pf{tp[0]}{tp[1]}-{seed}", tp=tp) for tp in [(0, 3), (1, 2), (1, 3)]}
+    f = RemoteBlockFetcher(here)
+    try:
+        lay = TierLayout.from_bytes(peers[(1, 3)].layout().to_bytes())
+        assert (lay.tp_rank, lay.tp_size) == (1, 3)
+        with pytest.raises(ValueError, match=r"TP rank 0 of 3 \(peer\) != rank 1 of 3 \(here\).*--tp-size"):
+            f.add_peer(peers[(0, 3)].layout())
+        with pytest.raises(ValueError, match=r"TP rank 1 of 2 \(peer\)"):
+            f.add_peer(peers[(1, 2)].layout())
+        assert f.add_peer(lay) == f"pf13-{seed}"
+        for bad in (b'"tp_rank": 3', b'"tp_rank": -1', b'"tp_rank": true'):
+            with pytest.raises(ValueError, match="tp_rank"):
+                TierLayout.from_bytes(lay.to_bytes().replace(b'"tp_rank": 1', bad))
+        with pytest.raises(ValueError, match="tp_size"):
+            TierLayout.from_bytes(lay.to_bytes().replace(b'"tp_size": 3', b'"tp_size": "3"'))
+    finally:
+        f.close()
+        here.close()
+        for n in peers.values():
+            n.close()
+
+
 PEER = r"""
 import sys, time, torch
 from oasis_sglang.core.host_tier import HostTier

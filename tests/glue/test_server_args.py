@@ -68,8 +68,6 @@ def test_oasis_sets_dependent_defaults(model, monkeypatch):
     (dict(tp_size=3, attn_cp_size=3), "--attn-cp-size"),
     (dict(disaggregation_mode="decode", disaggregation_transfer_backend="mooncake"),
      "--disaggregation-transfer-backend 'mooncake': must be nixl"),
-    (dict(disaggregation_mode="prefill", disaggregation_transfer_backend="nixl", tp_size=3),
-     "--tp-size must be 1 with --disaggregation-mode"),
     (dict(disaggregation_mode="decode", disaggregation_transfer_backend="nixl", speculative_algorithm="NGRAM"),
      "--speculative-algorithm NGRAM cannot be combined with --disaggregation-mode: only EAGLE3"),
     (dict(disaggregation_mode="decode", disaggregation_transfer_backend="nixl",
@@ -87,6 +85,15 @@ def test_oasis_sets_dependent_defaults(model, monkeypatch):
 def test_bad_combinations_name_the_flag(model, kw, key):
     with pytest.raises(OasisConfigError, match=key):
         make(model, kv_sparse="oasis", **kw)
+
+
+@pytest.mark.parametrize("mode", ["prefill", "decode"])
+def test_pd_with_tp_is_accepted(model, mode):
+    """TP with PD: each decode rank reads its KV heads from the prefill rank of the same number
+    (the TP sizes are compared at the first request: tests/disagg/test_transport.py)."""
+    pytest.importorskip("nixl")
+    a = make(model, kv_sparse="oasis", disaggregation_mode=mode, disaggregation_transfer_backend="nixl", tp_size=3)
+    assert a.tp_size == 3 and a.disaggregation_mode == mode
 
 
 @pytest.mark.parametrize("kw,key", [

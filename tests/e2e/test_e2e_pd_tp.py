@@ -1,0 +1,106 @@
+"""PD with TP: ``--tp 3`` on both nodes with ``--kv-sparse oasis``, behind sglang-router (issue 19).
+
+Real SGLang (CPU engine, gloo collectives), SmolLM2 (3 KV heads: one per rank), NIXL over UCX
+loopback, the real router. Decode rank ``r`` reads its KV heads from prefill rank ``r`` (each
+rank PUTs its own tier layout to the bootstrap server); what one rank's NIXL agent sees is
+acted on by every rank at the same loop iteration (``disagg/serving.py tp_agree``).
+
+- greedy output through the router equals one ``--tp 1`` dense server where the budget covers
+  the context (or leaves it only at a near tie: TP sums partial products in another order), four
+  requests one after the other through a prefill node with two request rows: each needs the
+  leases of the earlier ones freed on all three prefill ranks (released, not expired);
+- the prefill node killed mid-decode: the request ends with an error on every decode rank in
+  bounded time, the decode node stays healthy and every rank holds no request from a prefill
+  node afterwards.
+"""
+
+import concurrent.futures as cf
+import re
+import time
+
+import pytest
+import requests
+
+pytest.importorskip("nixl")
+pytest.importorskip("sglang_router")
+
+from oasis_sglang import needle  # noqa: E402
+from test_e2e import NEEDLE_CFG, assert_dense_or_near_tie, dense_reference, generate_ids, short_prompts  # noqa: E402
+from test_e2e_pd_oasis import ADMITTED, RELEASED, Deployment  # noqa: E402
+
+pytestmark = pytest.mark.e2e
+CFG = {**NEEDLE_CFG, "pd_read_timeout_s": 5.0, "pd_lease_s": 15.0}
+TP = ["--tp", "3"]
+RANK_ADMITTED = re.compile(r"\[[^\]]* TP(\d)\] OasisKV PD: admitted request \S+ from oasis-prefill-[0-9a-f]+-tp(\d)")
+FREED = re.compile(r"\[[^\]]* TP(\d)\] OasisKV PD: freed \d+ lease\(s\); released by decode nodes: (\d+), "
+                   r"expired: (\d+)")
+
+
+@pytest.fixture(scope="module")
+def pd_tp(model):
+    with pytest.MonkeyPatch.context() as mp:
+        # the plugin sets SGLang's CPU TP environment itself (server_args._cpu_tp_env)
+        for var in ("SGLANG_NCCL_SO_PATH", "SGLANG_CPU_OMP_THREADS_BIND"):
+            mp.delenv(var, raising=False)
+        d = Deployment(model, CFG, "pd_tp3", prefill_rows=2, retract=False, extra=TP)
+        try:
+            yield d
+        finally:
+            d.stop()
+
+
+def test_pd_tp3_greedy_equals_tp1_dense_and_every_rank_frees_its_leases(model, tok, pd_tp):
+    prompts = short_prompts(tok)
+    prompts = prompts + prompts[:1]              # four requests through two prefill request rows
+    n_new = 24
+    ref = dense_reference(model, prompts, n_new)
+    got = [generate_ids(pd_tp.url, p, n_new) for p in prompts]
+    assert all(len(p) + n_new <= CFG["budget_tokens"] for p in prompts)
+    assert_dense_or_near_tie(prompts, ref, got, "pd_tp3_vs_tp1_dense")
+    dlog, plog = pd_tp.dc.log(), pd_tp.pf.log()
+    pairs = RANK_ADMITTED.findall(dlog)
+    assert len(pairs) >= 3 * len(prompts), pairs
+    assert all(a == b for a, b in pairs), f"a decode rank read from another prefill rank: {pairs}"
+    last = {}
+    for rank, released, expired in FREED.findall(plog):
+        last[rank] = (int(released), int(expired))
+    # the leases are freed at the same iteration on all ranks: the same counts everywhere
+    assert set(last) == {"0", "1", "2"} and len(set(last.values())) == 1, last
+    assert last["0"][0] >= len(prompts) - 1 and last["0"][1] == 0, last
+    assert "leak" not in dlog.lower() and "leak" not in plog.lower()
+
+
+def test_pd_tp3_prefill_killed_mid_decode_ends_the_request_on_every_rank(tok, pd_tp):
+    p = needle.build(tok, 2048, 0.3)
+    body = {"model": "m", "messages": p.messages, "max_tokens": 300, "temperature": 0, "ignore_eos": True}
+    mark = len(pd_tp.dc.log())
+    with cf.ThreadPoolExecutor(1) as ex:
+        fut = ex.submit(lambda: requests.post(pd_tp.url + "/v1/chat/completions", json=body, timeout=600))
+        n = len(needle.chat_ids(tok, p.messages))
+        t0 = time.time()
+        while time.time() - t0 < 600 and n not in [int(m[0]) for m in ADMITTED.findall(pd_tp.dc.log()[mark:])]:
+            assert not fut.done(), fut.result().text
+            time.sleep(0.5)
+        pd_tp.pf.stop()
+        pd_tp.pf = None
+        t_kill = time.time()
+        r = fut.result(timeout=300)
+    assert r.status_code != 200 or "error" in r.text.lower() or r.json()["choices"][0]["finish_reason"] == "abort", r.text
+    assert time.time() - t_kill < 120
+    log = pd_tp.dc.log()[mark:]
+    ended = set(re.findall(r"\[[^\]]* TP(\d)\] OasisKV PD: request \S+ ends: ", log))
+    assert ended == {"0", "1", "2"}, f"the request ended on ranks {ended}: want all three"
+    assert requests.get(pd_tp.dc.url + "/health", timeout=30).status_code == 200
+    t0 = time.time()
+    while time.time() - t0 < 60:
+        held = {}
+        for ln in pd_tp.dc.log()[mark:].splitlines():
+            m = RELEASED.search(ln)
+            rank = re.search(r" TP(\d)\] ", ln)
+            if m and rank:
+                held[rank.group(1)] = m.group(5)
+        if held == {"0": "0", "1": "0", "2": "0"}:
+            break
+        time.sleep(1)
+    assert held == {"0": "0", "1": "0", "2": "0"}, f"requests from prefill nodes still held per rank: {held}"
+    assert "leak" not in pd_tp.dc.log().lower()
