@@ -467,6 +467,7 @@ class DecodeSide:
                                           dtype=torch.int16, device=pool.device) for _ in range(2)]
         # admitted rows whose planned first step is still to be read and installed
         self._first: list[_FirstStep] = []
+        self.installed_now: list[tuple[int, str]] = []   # (row, rid) installed by the last install_first_steps
         self.first_steps_planned = 0     # requests whose first step used the prefill node's plan
         self.first_steps_rejected = 0    # requests whose plan arrived but was not used (refused, read or install failed)
         self.peers: dict[tuple[str, int], str] = {}          # (bootstrap host, port) -> agent
@@ -828,6 +829,7 @@ class DecodeSide:
         each request's admission. A row whose peer was lost meanwhile keeps an empty row: its
         first step selects and the lost peer ends it (:meth:`lost_rows`). Returns bytes read."""
         pend, self._first = self._first, []
+        self.installed_now = []
         pend = [p for p in pend if p.row in self.rows and self.rows[p.row].pages is p.pages]
         if not pend:
             return 0
@@ -861,8 +863,24 @@ class DecodeSide:
                 self._log_admitted(p, read)
                 continue
             self.first_steps_planned += 1
+            self.installed_now.append((p.row, p.rid))
             self._log_admitted(p, read)
         return n
+
+    def drop_first_steps(self, rows: dict[int, str]) -> None:
+        """Empty the rows whose planned first step was installed by the last
+        :meth:`install_first_steps` but not on every TP rank (``rows``: row -> rid): each
+        rank's request table must say the same rows are predicted, since the decode CUDA graph's
+        replay is decided from it (``OasisSparseKV.can_replay``) and every rank must take the
+        same path. Their first steps select synchronously (the blocks read stay in the tier)."""
+        if not rows:
+            return
+        self.engine.reset_rows(list(rows))
+        for row, rid in rows.items():
+            self.first_steps_planned -= 1
+            self.first_steps_rejected += 1
+            logger.info("OasisKV PD: request %s: its first step's plan was not used on every TP rank; it selects "
+                        "its own", rid)
 
     def held_bytes(self, row: int, pages: torch.Tensor, tokens: int | None = None) -> int:
         """Bytes of request ``row``'s sparse-layer K/V in this node's host tier: the pieces of its

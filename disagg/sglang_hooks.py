@@ -189,11 +189,26 @@ def prefill_poll_hook(result, self, *args, **kwargs):
     return result
 
 
+_TP_ANNOUNCED = False
+
+
 def _tp_group(scheduler):
-    """SGLang's attention-TP CPU (gloo) group of a scheduler, or ``None`` with one rank."""
-    if int(getattr(scheduler, "attn_tp_size", getattr(scheduler, "tp_size", 1)) or 1) <= 1:
+    """SGLang's attention-TP CPU (gloo) group of a scheduler (``Scheduler.attn_tp_cpu_group``;
+    its size is ``Scheduler.ps.attn_tp_size`` in 0.5.17), or ``None`` with one rank. The first
+    time a group of several ranks is used, one line says so (per rank)."""
+    global _TP_ANNOUNCED
+    ps = getattr(scheduler, "ps", None)
+    n = getattr(ps, "attn_tp_size", None) if ps is not None else None
+    if n is None:
+        n = getattr(scheduler, "attn_tp_size", None) or getattr(scheduler, "tp_size", 1)
+    group = getattr(scheduler, "attn_tp_cpu_group", None) or getattr(scheduler, "tp_cpu_group", None)
+    if int(n or 1) <= 1 or group is None:
         return None
-    return getattr(scheduler, "attn_tp_cpu_group", None) or getattr(scheduler, "tp_cpu_group", None)
+    if not _TP_ANNOUNCED:
+        _TP_ANNOUNCED = True
+        logger.info("OasisKV PD: %d TP ranks: lease frees, request ends and first-step plans are agreed over "
+                    "SGLang's attention-TP CPU group", int(n))
+    return group
 
 
 def pop_transferred_hook(result, self, *args, **kwargs):
@@ -224,10 +239,15 @@ def pop_transferred_hook(result, self, *args, **kwargs):
         why = failed.get(int(req.req_pool_idx)) if req.req_pool_idx is not None else None
         if why is not None:
             _abort(req, f"OasisKV PD: cannot admit the request: {why}")
+    group = _tp_group(self.scheduler)
     try:
         s.install_first_steps()      # one READ per prefill node for every admitted request's first step
     except Exception:  # noqa: BLE001 - the rows then select their first steps themselves
         logger.exception("OasisKV PD: installing the planned first steps failed")
+    if group is not None:            # with TP a row keeps its plan only where every rank installed it
+        mine = {int(r): rid for r, rid in s.installed_now}
+        kept = tp_agree(mine, group, every=True)
+        s.drop_first_steps({r: rid for r, rid in mine.items() if r not in kept})
     return result
 
 

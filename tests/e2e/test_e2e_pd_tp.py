@@ -68,6 +68,10 @@ def test_pd_tp3_greedy_equals_tp1_dense_and_every_rank_frees_its_leases(model, t
     assert set(last) == {"0", "1", "2"} and len(set(last.values())) == 1, last
     assert last["0"][0] >= len(prompts) - 1 and last["0"][1] == 0, last
     assert "leak" not in dlog.lower() and "leak" not in plog.lower()
+    agreed = re.compile(r"\[[^\]]* TP(\d)\] OasisKV PD: 3 TP ranks: lease frees, request ends and first-step plans "
+                        r"are agreed")
+    for log in (dlog, plog):
+        assert set(agreed.findall(log)) == {"0", "1", "2"}, "every rank of both nodes agrees over SGLang's TP group"
 
 
 def test_pd_tp3_prefill_killed_mid_decode_ends_the_request_on_every_rank(tok, pd_tp):
