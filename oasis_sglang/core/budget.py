@@ -120,9 +120,14 @@ class TransferBudget:
 
     @property
     def bytes_per_step(self) -> int | None:
-        """Bytes the budget lets a step admit (all sparse layers), ``None`` when unlimited."""
-        b = int(self.blocks)
-        return None if b < 0 else b * self.L * self.block_bytes
+        """Bytes the budget lets a step admit (all sparse layers), ``None`` when unlimited (reads
+        the device scalar ``blocks``: a host sync on CUDA; ``bytes_for`` takes a copy of it)."""
+        return self.bytes_for(int(self.blocks))
+
+    def bytes_for(self, blocks: int) -> int | None:
+        """Bytes a step may admit when ``blocks`` (a value of ``blocks``: per layer and step)
+        is the budget; ``None`` when unlimited (``< 0``)."""
+        return None if blocks < 0 else int(blocks) * self.L * self.block_bytes
 
     def _set_bytes(self, nbytes: float) -> None:
         blocks = nbytes / (self.L * self.block_bytes)

@@ -40,8 +40,8 @@ class ReportSnapshot:
     every queued step, the device values of the report (``sizes``: name -> values): ``counters``
     (4), ``violations`` (1), per request of the last step ``held`` (working-set tokens, ``B``)
     and ``context`` (``B``; absent when the step's values were host lists: ``context_host``),
-    ``agreement`` (``2 L``), ``record`` (the device prediction record, ``R``) and each ``extra``
-    tensor (flattened).
+    ``agreement`` (``2 L``), ``record`` (the device prediction record, ``R``), ``budget`` (the
+    step budget's blocks, 1, when it is enabled) and each ``extra`` tensor (flattened).
     """
 
     host: dict                       # the report's host fields, as they were at the snapshot
@@ -76,7 +76,8 @@ def snapshot(eng: "OasisSparseKV", extra: dict[str, torch.Tensor] | None = None)
         eng.record.confirm()                 # a host read, rare: only after a step without host rows
     dev = eng.device
     parts = {"counters": eng.counters.sum(0), "violations": eng.ws.violations, "held": None, "context": None,
-             "agreement": eng.stages.agreement, "record": eng.record.seq}
+             "agreement": eng.stages.agreement, "record": eng.record.seq,
+             "budget": eng.budget.blocks if eng.budget.enabled else None}
     context_host = None
     if eng.last_batch is not None:
         rows, seq = eng.last_batch
@@ -112,7 +113,6 @@ def snapshot(eng: "OasisSparseKV", extra: dict[str, torch.Tensor] | None = None)
         "sync_steps": s.sync_steps,
         "graph_steps": s.graph_steps,
         "dense_steps": s.dense_steps,
-        "transfer_budget_bytes": eng.budget.bytes_per_step if eng.budget.enabled else None,
         "exposed_wait_timed": eng.last_step_timed,
     }
     return ReportSnapshot(host, packed, {k: t.numel() for k, t in parts.items()}, dict(eng.record.host),
@@ -154,6 +154,7 @@ def finish(eng: "OasisSparseKV", snap: ReportSnapshot) -> dict:
         "bytes_h2d": admitted * eng.block_bytes,
         "bytes_d2h": written_back * eng.block_bytes,
         "exposed_wait_ms": wait,
+        "transfer_budget_bytes": eng.budget.bytes_for(got["budget"][0]) if "budget" in got else None,
         "agreement": [a / t if t else None for a, t in agree] if eng.cfg.measure_agreement else None,
         "prediction_check": "host" if checked else "device",
     })
