@@ -144,7 +144,7 @@ def connect_host(host: str) -> str:
     return {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
 
 
-def tp_agree(local: dict[int, str], group=None, every: bool = False) -> dict[int, str]:
+def tp_agree(local: dict[int, str], group=None, every: bool = False, held=None) -> dict[int, str]:
     """A decision every TP rank of a node must take alike, from what each rank saw itself.
 
     SGLang's TP schedulers run in lockstep and expect the same batches and the same free pages
@@ -158,6 +158,8 @@ def tp_agree(local: dict[int, str], group=None, every: bool = False) -> dict[int
             group of one: ``local`` is returned as it is.
         every: act only on keys every rank holds (freeing a lease: wait until each rank's
             counterpart released it) instead of keys any rank holds (ending a request).
+        held: with ``every``, the keys this rank holds at all (``local``'s among them): a rank
+            that does not hold a key does not hold it back (a lease some ranks never took).
     Returns:
         the agreed ``{key: why}`` (``why`` of the lowest rank that holds the key), a new dict.
     """
@@ -168,14 +170,19 @@ def tp_agree(local: dict[int, str], group=None, every: bool = False) -> dict[int
     n = dist.get_world_size(group)
     if n <= 1:
         return dict(local)
+    strict = every and held is None
     cnt = torch.tensor([len(local)], dtype=torch.int64)
-    dist.all_reduce(cnt, op=dist.ReduceOp.MIN if every else dist.ReduceOp.MAX, group=group)
+    dist.all_reduce(cnt, op=dist.ReduceOp.MIN if strict else dist.ReduceOp.MAX, group=group)
     if int(cnt) == 0:
         return {}
     seen: list = [None] * n
-    dist.all_gather_object(seen, sorted(local.items()), group=group)
-    dicts = [dict(x) for x in seen]
-    keys = set(dicts[0]).intersection(*dicts[1:]) if every else set().union(*dicts)
+    mine = (sorted(local.items()), sorted(set(held) | set(local)) if held is not None else None)
+    dist.all_gather_object(seen, mine, group=group)
+    dicts = [dict(x[0]) for x in seen]
+    keys = set().union(*dicts)
+    if every:
+        holds = [set(x[1]) if x[1] is not None else None for x in seen]
+        keys = {k for k in keys if all(k in d or (h is not None and k not in h) for d, h in zip(dicts, holds))}
     return {k: next(d[k] for d in dicts if k in d) for k in sorted(keys)}
 
 
@@ -365,7 +372,7 @@ class PrefillSide:
             if x.deadline <= now and room not in self.freeing:
                 self.freeing[room] = "expired"
         n = 0
-        for room, why in tp_agree(self.freeing, group, every=True).items():
+        for room, why in tp_agree(self.freeing, group, every=True, held=self.leases.keys()).items():
             self.freeing.pop(room, None)
             lease = self.leases.pop(room, None)
             if lease is None:

@@ -91,11 +91,20 @@ def prefill_release_hook(original, req, tree_cache, *args, **kwargs):
         from sglang.srt.disaggregation.utils import FAKE_BOOTSTRAP_HOST
 
         if not isinstance(req.finished_reason, FINISH_ABORT) and req.bootstrap_host != FAKE_BOOTSTRAP_HOST \
-                and sender.poll() == KVPoll.Success:
+                and not getattr(req, "_oasis_transfer_failed", False) and sender.poll() == KVPoll.Success:
             s.lease(req.bootstrap_room, lambda: original(req, tree_cache, *args, **kwargs), req.rid,
                     _uncached_tokens(req, tree_cache), _last_page(req, tree_cache))
             return None
     return original(req, tree_cache, *args, **kwargs)
+
+
+def transfer_failure_hook(original, self, req, *args, **kwargs):
+    """AROUND ``SchedulerDisaggregationPrefillMixin.handle_inflight_transfer_failure``: the
+    transfer failed by the TP ranks' agreed status (SGLang's ``poll_and_all_reduce`` takes the
+    lowest), so the request's pages are freed on every rank (:func:`prefill_release_hook`), also
+    on a rank whose own sender says Success: the ranks' free pages must stay alike."""
+    req._oasis_transfer_failed = True
+    return original(self, req, *args, **kwargs)
 
 
 def send_kv_chunk_hook(original, self, req, last_chunk: bool = False, *args, **kwargs):
@@ -231,7 +240,10 @@ def pop_transferred_hook(result, self, *args, **kwargs):
                     req.bootstrap_port, req.bootstrap_room, req.rid, install=False)
         except Exception as e:  # noqa: BLE001 - one request's admission must not stop the decode loop
             logger.error("OasisKV PD: request %s cannot be admitted: %s", req.rid, e)
-            failed[int(req.req_pool_idx)] = str(e)
+            if req.req_pool_idx is not None:
+                failed[int(req.req_pool_idx)] = str(e)
+            else:
+                _abort(req, f"OasisKV PD: cannot admit the request: {e}")
             s.refuse(req.bootstrap_host, req.bootstrap_port, req.bootstrap_room, req.rid)
     # with TP every rank ends a request one rank could not admit (its rows are freed as usual)
     failed = tp_agree(failed, _tp_group(self.scheduler))

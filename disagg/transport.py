@@ -107,8 +107,8 @@ class TierLayout:
             raise ValueError(f"OasisKV PD: tier layout: lease_s {ls!r}: want seconds in 0..86400")
         for f in ("tp_size", "tp_rank"):
             x = getattr(lay, f)
-            if isinstance(x, bool) or not isinstance(x, int) or x < 0 or (f == "tp_rank" and lay.tp_size
-                                                                          and x >= lay.tp_size):
+            if isinstance(x, bool) or not isinstance(x, int) or x < 0 or (f == "tp_rank"
+                                                                          and x >= max(1, lay.tp_size)):
                 raise ValueError(f"OasisKV PD: tier layout: {f} {x!r}: want an integer in 0..tp_size-1 "
                                  f"(tp_size {lay.tp_size!r})" if f == "tp_rank" else
                                  f"OasisKV PD: tier layout: {f} {x!r}: want an integer >= 0")
@@ -122,9 +122,10 @@ class TierLayout:
     def compatible(self, other: "TierLayout") -> str | None:
         """Why blocks of ``other`` cannot be copied into this tier's places, or ``None``."""
         if self.tp_size and other.tp_size and (self.tp_size, self.tp_rank) != (other.tp_size, other.tp_rank):
+            fix = ("give both nodes the same --tp-size" if self.tp_size != other.tp_size else
+                   "the bootstrap server answered with another rank's layout")
             return (f"TP rank {other.tp_rank} of {other.tp_size} (peer) != rank {self.tp_rank} of {self.tp_size} "
-                    f"(here): a decode rank reads its KV heads from the prefill rank holding the same ones (give "
-                    f"both nodes the same --tp-size)")
+                    f"(here): a decode rank reads its KV heads from the prefill rank holding the same ones ({fix})")
         if self.dtype and other.dtype and self.dtype != other.dtype:
             return f"KV cache dtype {other.dtype} (peer) != {self.dtype} (here) (--kv-cache-dtype must match)"
         for f in ("head_num", "block_size", "k_piece_bytes", "v_piece_bytes"):

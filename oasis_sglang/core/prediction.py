@@ -111,13 +111,13 @@ class PredictionRecord:
         """``confirm`` on copies taken at one point of the stream (``core.report.snapshot``: the
         mirror as it was when the device record's copy was queued), with no host read now.
 
-        A mismatch is logged as an error and the live mirror is distrusted: the steps read the
-        device until the next report rebuilds it (``confirm``); the copy is too old to rebuild
-        from. Returns True when the copies agree."""
+        A mismatch is logged as an error and the live mirror is distrusted (the copy is too old
+        to rebuild from; ``core.report.finish`` rebuilds it at once with ``confirm``). Returns
+        True when the copies agree."""
         bad = _disagreeing(host, dev)
         if bad:
             logger.error("OasisKV: host record of predictions disagreed with the device for rows %s (host, "
-                         "device); the steps read the device until a report rebuilds it", bad)
+                         "device); rebuilt from the device", bad)
             self.distrust()
         return not bad
 

@@ -279,10 +279,11 @@ def test_a_snapshot_reports_the_step_it_was_taken_at(seed, device):
         snapshot(eng, {"counters": torch.zeros(1, device=device)})
 
 
-def test_a_snapshot_that_finds_the_mirror_wrong_distrusts_it_and_raises_on_a_miss(seed, caplog):
+def test_a_snapshot_that_finds_the_mirror_wrong_rebuilds_it_and_raises_on_a_miss(seed, caplog):
     """The async report's checks: a host mirror that disagrees with the device record copied with it
-    is logged and distrusted (the steps then read the device; the next report rebuilds it), and a
-    token that missed its block raises when the report is read."""
+    is logged and rebuilt from the device when the report is read; an untrusted mirror (a step came
+    without host rows) is rebuilt before the copy; a token that missed its block raises when the
+    report is read."""
     eng = _engine(16, "previous")
     run = Run(eng, [1, 2], 20, 40)
     run.prefill()
@@ -291,8 +292,9 @@ def test_a_snapshot_that_finds_the_mirror_wrong_distrusts_it_and_raises_on_a_mis
     snap = snapshot(eng)
     with caplog.at_level(logging.ERROR, logger="oasis_sglang.core.prediction"):
         r = finish(eng, snap)
-    assert r["prediction_check"] == "device" and eng.record.host is None
+    assert r["prediction_check"] == "device" and eng.record.host == {1: 22, 2: 22}
     assert "2: (27, 22)" in caplog.text
+    eng.record.distrust()
     snap = snapshot(eng)                         # untrusted: rebuilt (a host read) before the copy
     assert eng.record.host == {1: 22, 2: 22} and finish(eng, snap)["prediction_check"] == "host"
     eng.ws.violations += 2

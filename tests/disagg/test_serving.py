@@ -743,7 +743,9 @@ dist.init_process_group("gloo", init_method=init, rank=rank, world_size=n)
 g = dist.new_group(list(range(n)), backend="gloo")
 local = [{7: "r0 released", 9: "r0 expired", 11: "r0"}, {7: "r1 released", 9: "r1"}, {7: "r2", 5: "r2"}][rank]
 out = {"every": tp_agree(local, g, every=True), "any": tp_agree(local, g),
-       "none": tp_agree({} if rank else {3: "r0"}, g, every=True), "empty": tp_agree({}, g)}
+       "none": tp_agree({} if rank else {3: "r0"}, g, every=True), "empty": tp_agree({}, g),
+       "held": tp_agree([{13: "r0"}, {}, {13: "r2", 15: "r2"}][rank], g, every=True,
+                        held=[{13, 15}, {15}, {13, 15}][rank])}
 print(json.dumps({k: sorted(v.items()) for k, v in out.items()}))
 dist.destroy_process_group()
 """
@@ -753,7 +755,8 @@ def test_tp_ranks_agree_on_what_one_or_every_rank_saw(tmp_path):
     """``tp_agree`` over a real 3-rank gloo group (SGLang's TP CPU group is one): every rank gets
     the same answer; ``every`` keeps the keys all ranks hold (freeing a lease), the default those
     any rank holds (ending a request), each with the lowest rank's reason; one rank with nothing
-    makes ``every`` empty; without a group the local dict comes back (a copy)."""
+    makes ``every`` empty, unless it does not hold the key at all (``held``); without a group the
+    local dict comes back (a copy)."""
     import json
     import subprocess
     import sys
@@ -768,6 +771,9 @@ def test_tp_ranks_agree_on_what_one_or_every_rank_saw(tmp_path):
     assert got["every"] == [[7, "r0 released"]]
     assert got["any"] == [[5, "r2"], [7, "r0 released"], [9, "r0 expired"], [11, "r0"]]
     assert got["none"] == [] and got["empty"] == []
+    # a rank that never held 13 (its transfer failed: no lease there) does not hold it back; 15
+    # is held back by rank 0, which holds it and has not released it
+    assert got["held"] == [[13, "r0"]]
     from oasis_sglang.disagg.serving import tp_agree
 
     local = {1: "x"}

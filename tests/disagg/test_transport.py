@@ -136,9 +136,9 @@ def test_a_decode_rank_reads_only_from_the_prefill_rank_of_its_kv_heads(seed):
     try:
         lay = TierLayout.from_bytes(peers[(1, 3)].layout().to_bytes())
         assert (lay.tp_rank, lay.tp_size) == (1, 3)
-        with pytest.raises(ValueError, match=r"TP rank 0 of 3 \(peer\) != rank 1 of 3 \(here\).*--tp-size"):
+        with pytest.raises(ValueError, match=r"TP rank 0 of 3 \(peer\) != rank 1 of 3 \(here\).*another rank"):
             f.add_peer(peers[(0, 3)].layout())
-        with pytest.raises(ValueError, match=r"TP rank 1 of 2 \(peer\)"):
+        with pytest.raises(ValueError, match=r"TP rank 1 of 2 \(peer\).*same --tp-size"):
             f.add_peer(peers[(1, 2)].layout())
         assert f.add_peer(lay) == f"pf13-{seed}"
         for bad in (b'"tp_rank": 3', b'"tp_rank": -1', b'"tp_rank": true'):
@@ -146,6 +146,10 @@ def test_a_decode_rank_reads_only_from_the_prefill_rank_of_its_kv_heads(seed):
                 TierLayout.from_bytes(lay.to_bytes().replace(b'"tp_rank": 1', bad))
         with pytest.raises(ValueError, match="tp_size"):
             TierLayout.from_bytes(lay.to_bytes().replace(b'"tp_size": 3', b'"tp_size": "3"'))
+        with pytest.raises(ValueError, match="tp_rank"):          # a rank with no size said
+            TierLayout.from_bytes(lay.to_bytes().replace(b'"tp_size": 3', b'"tp_size": 0'))
+        with pytest.raises(ValueError, match="another rank's layout"):
+            f.add_peer(TierLayout.from_bytes(lay.to_bytes().replace(b'"tp_rank": 1', b'"tp_rank": 2')))
     finally:
         f.close()
         here.close()
