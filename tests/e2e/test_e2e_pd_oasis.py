@@ -300,17 +300,16 @@ def test_a_stopped_prefill_node_leaves_no_host_memory_behind(pd):
     assert requests.get(pd.dc.url + "/health", timeout=30).status_code == 200
 
 
-def test_prefill_killed_mid_decode(model, tok, pd):
-    """Kill the prefill process while the decode node still reads blocks from it: the request
-    ends with an error in bounded time, the decode node stays healthy and serves the next
-    request from a restarted prefill node."""
+def kill_prefill_mid_decode(tok, pd) -> int:
+    """Send a 2048-token request through the router, kill the prefill process once the decode
+    node admitted it (it then reads blocks every few steps) and check that the request ends
+    with an error within 120 s. Returns the length of the decode node's log before the request."""
     p = needle.build(tok, 2048, 0.3)
     body = {"model": "m", "messages": p.messages, "max_tokens": 300, "temperature": 0,
             "ignore_eos": True}
     mark = len(pd.dc.log())
     with cf.ThreadPoolExecutor(1) as ex:
         fut = ex.submit(lambda: requests.post(pd.url + "/v1/chat/completions", json=body, timeout=600))
-        # wait until the decode node admitted the request (it then reads blocks every few steps)
         n = len(needle.chat_ids(tok, p.messages))
         t0 = time.time()
         while time.time() - t0 < 600 and n not in [int(m[0]) for m in ADMITTED.findall(pd.dc.log()[mark:])]:
@@ -321,6 +320,14 @@ def test_prefill_killed_mid_decode(model, tok, pd):
         r = fut.result(timeout=300)
     assert r.status_code != 200 or "error" in r.text.lower() or r.json()["choices"][0]["finish_reason"] == "abort", r.text
     assert time.time() - t_kill < 120
+    return mark
+
+
+def test_prefill_killed_mid_decode(model, tok, pd):
+    """Kill the prefill process while the decode node still reads blocks from it: the request
+    ends with an error in bounded time, the decode node stays healthy and serves the next
+    request from a restarted prefill node."""
+    mark = kill_prefill_mid_decode(tok, pd)
     assert "its prefill node was lost" in pd.dc.log()[mark:]
     assert requests.get(pd.dc.url + "/health", timeout=30).status_code == 200
     # the decode node gave back the lost request's rows and pages (SGLang's idle memory check

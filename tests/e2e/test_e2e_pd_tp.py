@@ -14,7 +14,6 @@ acted on by every rank at the same loop iteration (``disagg/serving.py tp_agree`
   node afterwards.
 """
 
-import concurrent.futures as cf
 import re
 import time
 
@@ -24,9 +23,8 @@ import requests
 pytest.importorskip("nixl")
 pytest.importorskip("sglang_router")
 
-from oasis_sglang import needle  # noqa: E402
 from test_e2e import NEEDLE_CFG, assert_dense_or_near_tie, dense_reference, generate_ids, short_prompts  # noqa: E402
-from test_e2e_pd_oasis import ADMITTED, RELEASED, Deployment  # noqa: E402
+from test_e2e_pd_oasis import RELEASED, Deployment, kill_prefill_mid_decode  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 CFG = {**NEEDLE_CFG, "pd_read_timeout_s": 5.0, "pd_lease_s": 15.0}
@@ -75,22 +73,8 @@ def test_pd_tp3_greedy_equals_tp1_dense_and_every_rank_frees_its_leases(model, t
 
 
 def test_pd_tp3_prefill_killed_mid_decode_ends_the_request_on_every_rank(tok, pd_tp):
-    p = needle.build(tok, 2048, 0.3)
-    body = {"model": "m", "messages": p.messages, "max_tokens": 300, "temperature": 0, "ignore_eos": True}
-    mark = len(pd_tp.dc.log())
-    with cf.ThreadPoolExecutor(1) as ex:
-        fut = ex.submit(lambda: requests.post(pd_tp.url + "/v1/chat/completions", json=body, timeout=600))
-        n = len(needle.chat_ids(tok, p.messages))
-        t0 = time.time()
-        while time.time() - t0 < 600 and n not in [int(m[0]) for m in ADMITTED.findall(pd_tp.dc.log()[mark:])]:
-            assert not fut.done(), fut.result().text
-            time.sleep(0.5)
-        pd_tp.pf.stop()
-        pd_tp.pf = None
-        t_kill = time.time()
-        r = fut.result(timeout=300)
-    assert r.status_code != 200 or "error" in r.text.lower() or r.json()["choices"][0]["finish_reason"] == "abort", r.text
-    assert time.time() - t_kill < 120
+    mark = kill_prefill_mid_decode(tok, pd_tp)
+    pd_tp.pf = None
     log = pd_tp.dc.log()[mark:]
     ended = set(re.findall(r"\[[^\]]* TP(\d)\] OasisKV PD: request \S+ ends: ", log))
     assert ended == {"0", "1", "2"}, f"the request ended on ranks {ended}: want all three"
