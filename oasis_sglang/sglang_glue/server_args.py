@@ -247,9 +247,11 @@ def _pd_args(args, mode: str, spec: bool, bad) -> None:
 
     Raises:
         OasisConfigError: a transfer backend other than NIXL, a speculative algorithm other
-            than EAGLE3, or ``nixl`` not installed. (TP: both nodes must run the same TP size;
-            a decode node checks its prefill node's at the first request from it:
-            ``disagg.transport.TierLayout.compatible``.)
+            than EAGLE3, or ``nixl`` not installed. (TP: both nodes must run the same TP size.
+            A decode node checks its prefill node's at the first request from it
+            (``disagg.transport.TierLayout.compatible``), but SGLang 0.5.17's own NIXL transfer
+            fails on different sizes before that, in the prefill node's bootstrap thread;
+            refusing the pairing earlier is not built.)
     """
     if mode not in ("prefill", "decode"):
         bad("--disaggregation-mode", f"{mode!r}: want prefill or decode")
