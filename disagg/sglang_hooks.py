@@ -107,6 +107,117 @@ def transfer_failure_hook(original, self, req, *args, **kwargs):
     return original(self, req, *args, **kwargs)
 
 
+def tp_mismatch(addr: str, prefill_tp, decode_tp) -> str | None:
+    """The error for a decode node whose attention TP size differs from its prefill node's, or
+    ``None`` when they are equal (or one is not known). OasisKV PD maps decode rank ``r`` to
+    prefill rank ``r`` (``TierLayout.compatible``); SGLang 0.5.17's NIXL transfer between nodes
+    of different TP sizes to a host-memory pool raises ``NotImplementedError`` in the prefill
+    node's bootstrap thread (``disaggregation/nixl/conn.py``), which stops that node."""
+    if prefill_tp is None or decode_tp is None or int(prefill_tp) == int(decode_tp):
+        return None
+    return (f"OasisKV PD: --tp-size: the prefill node at {addr} runs {int(prefill_tp)} attention TP rank(s), this "
+            f"decode node {int(decode_tp)}; with --kv-sparse oasis decode rank r reads its KV heads from prefill "
+            f"rank r: give both nodes the same --tp-size")
+
+
+def ensure_prefill_info_hook(original, self, addr_to_reqs, *args, **kwargs):
+    """AROUND ``DecodePreallocQueue._ensure_prefill_info``: a request whose prefill node runs
+    another TP size fails here, with an error naming ``--tp-size`` (:func:`tp_mismatch`),
+    before SGLang sends that node this node's KV indices (which would stop the prefill node's
+    bootstrap thread: it then serves nobody). It fails as SGLang fails a request whose prefill
+    node could not be reached (``kv_receiver.abort``; the handshake poll then ends it with this
+    message); every TP rank reads the same prefill info, so all ranks end it. The info is not
+    kept, so each later request to that node is checked here too. TP rank 0 tells the prefill
+    node's ranks (:func:`_notify_prefill_abort`), which end their side at once; the prefill node
+    serves everyone else throughout."""
+    ready, remaining = original(self, addr_to_reqs, *args, **kwargs)
+    if not ready or not isinstance(side(), DecodeSide):
+        return ready, remaining
+    mgr = self.kv_manager
+    for addr in list(ready):
+        info = getattr(mgr, "prefill_info_table", {}).get(addr)
+        why = tp_mismatch(addr, getattr(info, "attn_tp_size", None), getattr(mgr, "attn_tp_size", None))
+        if why is None:
+            continue
+        reqs = ready.pop(addr)
+        # not cached: SGLang's fast path (``DecodePreallocQueue.add``) would start the next
+        # request's transfer from the cached info; uncached, each one comes here
+        lock = getattr(mgr, "connection_lock", None)
+        if lock is not None:
+            with lock:
+                mgr.prefill_info_table.pop(addr, None)
+        else:
+            mgr.prefill_info_table.pop(addr, None)
+        logger.error("%s (%d request(s) refused)", why, len(reqs))
+        rooms = []
+        for decode_req in reqs:
+            r = decode_req.kv_receiver
+            if r is None:
+                continue
+            r.abort()
+            mgr.record_failure(r.bootstrap_room, why)     # abort() recorded "Aborted by AbortReq."
+            rooms.append(int(r.bootstrap_room))
+        if rooms and int(getattr(mgr, "attn_tp_rank", 0) or 0) == 0:
+            _notify_prefill_abort(mgr, addr, info, rooms, why)
+    return ready, remaining
+
+
+def _notify_prefill_abort(mgr, addr: str, info, rooms: list[int], why: str) -> None:
+    """Tell every rank of the prefill node at ``addr`` that ``rooms`` were refused (SGLang's
+    decode-to-prefill ``ABORT`` message, ``CommonKVReceiver._send_abort_notification``), so it
+    ends its side at once (the router answers the client when both sides have) instead of at
+    its bootstrap timeout, with ``why`` as its error (:func:`abort_notification_hook`). Best
+    effort: a rank that cannot be reached keeps its 300 s timeout."""
+    import requests
+    from sglang.srt.disaggregation.common.conn import CommonKVReceiver
+
+    sent = 0
+    for dp in range(int(getattr(info, "dp_size", 1) or 1)):
+        for tp in range(int(info.attn_tp_size)):
+            for pp in range(int(getattr(info, "pp_size", 1) or 1)):
+                try:
+                    r = requests.get(f"http://{addr}/route?prefill_dp_rank={dp}&prefill_cp_rank=0&"
+                                     f"target_tp_rank={tp}&target_pp_rank={pp}", timeout=5)
+                    if r.status_code != 200:
+                        continue
+                    sock, lock = CommonKVReceiver._connect_to_bootstrap_server(r.json())
+                    with lock:
+                        for room in rooms:
+                            # SGLang reads the first four frames; the fifth, the reason, is
+                            # read by an OasisKV prefill node (abort_notification_hook)
+                            sock.send_multipart([b"ABORT", str(room).encode("ascii"),
+                                                 mgr.local_ip.encode("ascii"), str(mgr.rank_port).encode("ascii"),
+                                                 why.encode()])
+                    sent += 1
+                except Exception as e:  # noqa: BLE001 - best effort, as SGLang's own notification
+                    logger.debug("OasisKV PD: abort notification to %s rank (dp %d, tp %d, pp %d) failed: %s",
+                                 addr, dp, tp, pp, e)
+    logger.info("OasisKV PD: told %d prefill rank(s) at %s that %d request(s) were refused", sent, addr, len(rooms))
+
+
+ABORT_REASON_PREFIX = b"OasisKV PD: "
+
+
+def abort_notification_hook(original, self, msg, *args, **kwargs):
+    """AROUND ``NixlKVManager._handle_abort_notification`` on an OasisKV prefill node: a decode
+    node's ``ABORT`` with a fifth frame (:func:`_notify_prefill_abort`) ends the request with
+    that reason instead of SGLang's "Aborted by decode-side abort notification." (as SGLang's
+    handler does: a room not yet transferred is marked failed, the reason recorded first)."""
+    if not isinstance(side(), PrefillSide) or len(msg) < 5 or msg[0] != b"ABORT" \
+            or not msg[4].startswith(ABORT_REASON_PREFIX):
+        return original(self, msg, *args, **kwargs)
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    try:
+        room = int(msg[1].decode("ascii"))
+    except (ValueError, UnicodeDecodeError):
+        return original(self, msg, *args, **kwargs)
+    if room in self.request_status and self.check_status(room) != KVPoll.Success:
+        self.record_failure(room, msg[4][:2000].decode("utf-8", "replace"))
+        self.update_status(room, KVPoll.Failed)
+    return True
+
+
 def send_kv_chunk_hook(original, self, req, last_chunk: bool = False, *args, **kwargs):
     """AROUND ``SchedulerDisaggregationPrefillMixin.send_kv_chunk``: before a request's last
     send, fill what it carries besides SGLang's own data (``PrefillSide.prepare_send``: the

@@ -64,8 +64,9 @@ class TierLayout:
     node's TP size (``tp_size`` 0: not said). Two nodes whose ``dense_layers`` differ in position but not in number
     have tiers of the same sizes, and SGLang's transfer would copy one layer's KV and summaries
     into another's places, so ``compatible`` compares these too.
-    ``from_bytes`` ignores fields a later version adds and raises ValueError for a ``lease_s``
-    outside 0..86400.
+    ``from_bytes`` ignores fields a later version adds and raises ValueError naming the field for
+    a ``lease_s`` outside 0..86400, a size that is not an integer > 0, a pointer or layer that is
+    not an integer >= 0, or a TP rank outside ``0..tp_size-1``.
     """
 
     agent: str
@@ -97,7 +98,7 @@ class TierLayout:
             d["metadata"] = base64.b64decode(d["metadata"])
             d["k_ptrs"], d["v_ptrs"] = tuple(d["k_ptrs"]), tuple(d["v_ptrs"])
             if "sparse_layers" in d:
-                d["sparse_layers"] = tuple(int(x) for x in d["sparse_layers"])
+                d["sparse_layers"] = tuple(d["sparse_layers"])
             # fields a later version adds are left out (an older layout lacks lease_s: 0)
             lay = cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
         except (ValueError, KeyError, TypeError) as e:
@@ -105,6 +106,22 @@ class TierLayout:
         ls = lay.lease_s
         if isinstance(ls, bool) or not isinstance(ls, (int, float)) or not 0 <= ls <= 86400:
             raise ValueError(f"OasisKV PD: tier layout: lease_s {ls!r}: want seconds in 0..86400")
+        def _int(x) -> bool:
+            return isinstance(x, int) and not isinstance(x, bool)
+
+        for f in ("num_pages", "head_num", "block_size", "k_piece_bytes", "v_piece_bytes"):
+            x = getattr(lay, f)
+            if not _int(x) or x <= 0:
+                raise ValueError(f"OasisKV PD: tier layout: {f} {x!r}: want an integer > 0")
+        if not _int(lay.num_layers) or lay.num_layers < 0:
+            raise ValueError(f"OasisKV PD: tier layout: num_layers {lay.num_layers!r}: want an integer >= 0")
+        for f in ("k_ptrs", "v_ptrs", "sparse_layers"):
+            bad = [x for x in getattr(lay, f) if not _int(x) or x < 0]
+            if bad:
+                raise ValueError(f"OasisKV PD: tier layout: {f} holds {bad[0]!r}: want integers >= 0")
+        for f in ("agent", "dtype"):
+            if not isinstance(getattr(lay, f), str):
+                raise ValueError(f"OasisKV PD: tier layout: {f} {getattr(lay, f)!r}: want a string")
         for f in ("tp_size", "tp_rank"):
             x = getattr(lay, f)
             if isinstance(x, bool) or not isinstance(x, int) or x < 0 or (f == "tp_rank"

@@ -170,6 +170,10 @@ class DecodeLog:
         self._pending.append((snap, time.perf_counter(), self.engine.stats.new_request_started))
         self.poll()
 
+    def pending(self) -> int:
+        """Lines queued whose copies have not been read yet."""
+        return len(self._pending)
+
     def poll(self, wait: bool = False) -> int:
         """Write the queued lines whose device copies have landed, oldest first (all of them,
         waiting for the device, when ``wait``). Returns the number written.

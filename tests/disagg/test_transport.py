@@ -90,6 +90,26 @@ def test_incompatible_peer_is_refused_naming_the_field(seed):
     nb.close()
 
 
+def test_a_layout_with_a_field_of_the_wrong_type_is_refused_naming_it(seed):
+    """Each size, pointer and name of a peer's layout is checked when it is read: a string, a
+    bool, a float or a negative value is refused naming the field, not met later as a TypeError."""
+    import json
+
+    a, na = tier(f"a-{seed}")
+    try:
+        good = json.loads(na.layout().to_bytes())
+        assert TierLayout.from_bytes(json.dumps(good).encode()) == na.layout()
+        for field, bad in [("num_pages", "64"), ("num_pages", 0), ("head_num", True), ("block_size", 2.0),
+                           ("k_piece_bytes", -4), ("v_piece_bytes", None), ("num_layers", "30"),
+                           ("num_layers", -1), ("k_ptrs", ["0x10"] * len(good["k_ptrs"])),
+                           ("v_ptrs", [-1] * len(good["v_ptrs"])), ("sparse_layers", ["1"] * len(good["k_ptrs"])),
+                           ("agent", 7), ("dtype", 16)]:
+            with pytest.raises(ValueError, match=f"tier layout: {field}"):
+                TierLayout.from_bytes(json.dumps({**good, field: bad}).encode())
+    finally:
+        na.close()
+
+
 def test_dense_layers_in_other_positions_or_another_dtype_are_refused(seed):
     """Two nodes whose dense_layers differ in position but not in number have tiers of the same
     sizes, so SGLang's transfer would copy one layer's KV and summaries into another's places:

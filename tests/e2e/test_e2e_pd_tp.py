@@ -11,9 +11,13 @@ acted on by every rank at the same loop iteration (``disagg/serving.py tp_agree`
   leases of the earlier ones freed on all three prefill ranks (released, not expired);
 - the prefill node killed mid-decode: the request ends with an error on every decode rank in
   bounded time, the decode node stays healthy and every rank holds no request from a prefill
-  node afterwards.
+  node afterwards;
+- a ``--tp 1`` prefill node restarted in its place: each request ends at once with an error
+  naming ``--tp-size`` (``sglang_hooks.ensure_prefill_info_hook``), before SGLang's NIXL
+  transfer would stop that prefill node's bootstrap thread; both nodes stay healthy.
 """
 
+import concurrent.futures as cf
 import re
 import time
 
@@ -24,6 +28,7 @@ pytest.importorskip("nixl")
 pytest.importorskip("sglang_router")
 
 from test_e2e import NEEDLE_CFG, assert_dense_or_near_tie, dense_reference, generate_ids, short_prompts  # noqa: E402
+from oasis_sglang.testing.launch import check_port_free  # noqa: E402
 from test_e2e_pd_oasis import RELEASED, Deployment, kill_prefill_mid_decode  # noqa: E402
 
 pytestmark = pytest.mark.e2e
@@ -73,6 +78,7 @@ def test_pd_tp3_greedy_equals_tp1_dense_and_every_rank_frees_its_leases(model, t
 
 
 def test_pd_tp3_prefill_killed_mid_decode_ends_the_request_on_every_rank(tok, pd_tp):
+    pd_tp.pf_port = int(pd_tp.pf.url.rsplit(":", 1)[1])
     mark = kill_prefill_mid_decode(tok, pd_tp)
     pd_tp.pf = None
     log = pd_tp.dc.log()[mark:]
@@ -92,3 +98,57 @@ def test_pd_tp3_prefill_killed_mid_decode_ends_the_request_on_every_rank(tok, pd
         time.sleep(1)
     assert held == {"0": "0", "1": "0", "2": "0"}, f"requests from prefill nodes still held per rank: {held}"
     assert "leak" not in pd_tp.dc.log().lower()
+
+
+def test_pd_prefill_node_of_another_tp_size_is_refused_naming_tp_size(tok, pd_tp):
+    """A ``--tp 1`` prefill node behind the ``--tp 3`` decode node (the router knows its URL and
+    bootstrap port): the request ends at once with an error naming ``--tp-size`` on every decode
+    rank and on the prefill node (told by the decode node), also the next one (the prefill info
+    is not cached), and neither node stops serving."""
+    dlog = pd_tp.dc.log
+    t0 = time.time()                      # SGLang's heartbeat forgets the killed node's parallel info
+    while time.time() - t0 < 120 and "Lost connection with prefill instance" not in dlog():
+        time.sleep(1)
+    assert "Lost connection with prefill instance" in dlog()
+    for _ in range(60):
+        try:
+            check_port_free(pd_tp.pf_port)
+            break
+        except OSError:
+            time.sleep(2)
+    pd_tp.extra = []
+    pd_tp.pf = pd_tp.start_prefill(port=pd_tp.pf_port, suffix="_tp1")
+    mark = len(dlog())
+
+    t0 = time.time()
+    while True:         # the router's circuit breaker opened on the killed node: 503 at once until it closes
+        t = time.time()
+        r = requests.post(pd_tp.url + "/generate", json={"text": "Hello", "sampling_params": {"max_new_tokens": 4}},
+                          timeout=120)
+        took = time.time() - t
+        if "No available prefill workers" not in r.text or time.time() - t0 > 180:
+            break
+        time.sleep(2)
+    assert took < 60, f"the refusal took {took:.0f} s"
+    assert r.status_code != 200 and "--tp-size" in r.text, r.text
+    # the router's circuit breaker now holds the failing prefill node out (503): the next
+    # request goes to both nodes directly, as the router sends it (the prefill info is not
+    # cached on the decode node, so it is checked again)
+    body = {"text": "Hello 1", "sampling_params": {"max_new_tokens": 4}, "bootstrap_host": "127.0.0.1",
+            "bootstrap_port": pd_tp.bootstrap, "bootstrap_room": 12345}
+    t = time.time()
+    with cf.ThreadPoolExecutor(2) as ex:
+        got = list(ex.map(lambda u: requests.post(u + "/generate", json=body, timeout=120), (pd_tp.pf.url, pd_tp.dc.url)))
+    assert time.time() - t < 60
+    for r in got:
+        assert r.status_code != 200 or "abort" in r.text.lower(), r.text
+        assert "--tp-size" in r.text, r.text
+    refused = re.findall(r"\[[^\]]* TP(\d)\] OasisKV PD: --tp-size: the prefill node at \S+ runs 1 attention TP "
+                         r"rank\(s\), this decode node 3", dlog()[mark:])
+    assert set(refused) == {"0", "1", "2"} and len(refused) >= 6, refused
+    assert requests.get(pd_tp.dc.url + "/health", timeout=30).status_code == 200
+    assert requests.get(pd_tp.pf.url + "/health", timeout=30).status_code == 200
+    plog = pd_tp.pf.log()
+    assert "NotImplementedError" not in plog and "Traceback" not in plog, plog[-3000:]
+    # the prefill node ended its side at once, told why by the decode node
+    assert len(re.findall(r"Prefill bootstrap failed for request .*OasisKV PD: --tp-size", plog)) >= 2, plog[-3000:]

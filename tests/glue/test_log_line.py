@@ -316,7 +316,8 @@ def test_a_due_line_is_written_when_its_copy_lands_and_never_waits(seed, caplog)
     t = time.perf_counter()
     log.maybe_log()
     assert time.perf_counter() - t < 0.05 and not lines(), "the line waited for the device"
+    assert log.pending() == 1                      # what the idle hook (on_idle_hook) writes
     torch.cuda.synchronize()
-    assert log.poll() == 1
+    assert log.poll() == 1 and log.pending() == 0
     assert parse_decode_counters(lines()[0])["decode_steps"] == 1
     assert parse_residency(lines()[0])["context"] == [21]
