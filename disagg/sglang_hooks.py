@@ -7,9 +7,10 @@ prefill node, :class:`~.serving.DecodeSide` on a decode node) and does nothing w
 
 from __future__ import annotations
 
-import logging
-
 import base64
+import logging
+import threading
+import time
 
 from .serving import TIER_ROUTE, DecodeSide, PrefillSide, connect_host, side, tp_agree
 from .transport import TierLayout
@@ -123,13 +124,16 @@ def tp_mismatch(addr: str, prefill_tp, decode_tp) -> str | None:
 def ensure_prefill_info_hook(original, self, addr_to_reqs, *args, **kwargs):
     """AROUND ``DecodePreallocQueue._ensure_prefill_info``: a request whose prefill node runs
     another TP size fails here, with an error naming ``--tp-size`` (:func:`tp_mismatch`),
-    before SGLang sends that node this node's KV indices (which would stop the prefill node's
-    bootstrap thread: it then serves nobody). It fails as SGLang fails a request whose prefill
+    before SGLang registers this node's KV buffers with that node (``receiver.init`` ->
+    ``_register_kv_args``, which would stop the prefill node's bootstrap thread on a transfer to
+    host memory: it then serves nobody). It fails as SGLang fails a request whose prefill
     node could not be reached (``kv_receiver.abort``; the handshake poll then ends it with this
     message); every TP rank reads the same prefill info, so all ranks end it. The info is not
-    kept, so each later request to that node is checked here too. TP rank 0 tells the prefill
-    node's ranks (:func:`_notify_prefill_abort`), which end their side at once; the prefill node
-    serves everyone else throughout."""
+    kept, so each later request to that node is checked here too (SGLang's cached info is
+    trusted otherwise: a prefill node restarted with another TP size on the same bootstrap
+    address before SGLang's heartbeat dropped the old info, about 10 s, is not re-checked). TP
+    rank 0 tells the prefill node's ranks (:func:`_notify_prefill_abort`, in a thread), which end
+    their side at once; the prefill node serves everyone else throughout."""
     ready, remaining = original(self, addr_to_reqs, *args, **kwargs)
     if not ready or not isinstance(side(), DecodeSide):
         return ready, remaining
@@ -148,7 +152,6 @@ def ensure_prefill_info_hook(original, self, addr_to_reqs, *args, **kwargs):
                 mgr.prefill_info_table.pop(addr, None)
         else:
             mgr.prefill_info_table.pop(addr, None)
-        logger.error("%s (%d request(s) refused)", why, len(reqs))
         rooms = []
         for decode_req in reqs:
             r = decode_req.kv_receiver
@@ -157,17 +160,22 @@ def ensure_prefill_info_hook(original, self, addr_to_reqs, *args, **kwargs):
             r.abort()
             mgr.record_failure(r.bootstrap_room, why)     # abort() recorded "Aborted by AbortReq."
             rooms.append(int(r.bootstrap_room))
+        logger.error("%s (%d request(s) refused)", why, len(rooms))
         if rooms and int(getattr(mgr, "attn_tp_rank", 0) or 0) == 0:
-            _notify_prefill_abort(mgr, addr, info, rooms, why)
+            # off the scheduler loop: its HTTP and ZMQ calls must not hold the running batch
+            threading.Thread(target=_notify_prefill_abort, args=(mgr, addr, info, rooms, why), daemon=True,
+                             name="oasis-pd-abort-notice").start()
     return ready, remaining
 
 
 def _notify_prefill_abort(mgr, addr: str, info, rooms: list[int], why: str) -> None:
     """Tell every rank of the prefill node at ``addr`` that ``rooms`` were refused (SGLang's
     decode-to-prefill ``ABORT`` message, ``CommonKVReceiver._send_abort_notification``), so it
-    ends its side at once (the router answers the client when both sides have) instead of at
-    its bootstrap timeout, with ``why`` as its error (:func:`abort_notification_hook`). Best
-    effort: a rank that cannot be reached keeps its 300 s timeout."""
+    ends its side at once (the router answers the client when both sides have) instead of
+    never (SGLang 0.5.17's ``NixlKVSender`` does not check its bootstrap timeout: the request
+    would wait until the client gave up), with ``why`` as its error
+    (:func:`abort_notification_hook`). Runs in its own thread. Best effort: a prefill rank that
+    cannot be reached is logged, and its side of the request waits as without this notice."""
     import requests
     from sglang.srt.disaggregation.common.conn import CommonKVReceiver
 
@@ -190,32 +198,64 @@ def _notify_prefill_abort(mgr, addr: str, info, rooms: list[int], why: str) -> N
                                                  why.encode()])
                     sent += 1
                 except Exception as e:  # noqa: BLE001 - best effort, as SGLang's own notification
-                    logger.debug("OasisKV PD: abort notification to %s rank (dp %d, tp %d, pp %d) failed: %s",
-                                 addr, dp, tp, pp, e)
+                    logger.warning("OasisKV PD: telling the prefill node at %s (dp %d, tp %d, pp %d) that a request "
+                                   "was refused failed: %s", addr, dp, tp, pp, e)
     logger.info("OasisKV PD: told %d prefill rank(s) at %s that %d request(s) were refused", sent, addr, len(rooms))
 
 
 ABORT_REASON_PREFIX = b"OasisKV PD: "
+# rooms a decode node refused before this prefill node made their sender: room -> (reason, time)
+_EARLY_ABORTS: dict[int, tuple[str, float]] = {}
+_EARLY_ABORTS_LOCK = threading.Lock()
+EARLY_ABORT_KEEP_S = 600.0
+
+
+def _fail_room(mgr, room: int, reason: str) -> None:
+    """Mark a prefill room not yet transferred failed with ``reason`` (as SGLang's handler does)."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    if room in mgr.request_status and mgr.check_status(room) != KVPoll.Success:
+        mgr.record_failure(room, reason)
+        mgr.update_status(room, KVPoll.Failed)
 
 
 def abort_notification_hook(original, self, msg, *args, **kwargs):
     """AROUND ``NixlKVManager._handle_abort_notification`` on an OasisKV prefill node: a decode
     node's ``ABORT`` with a fifth frame (:func:`_notify_prefill_abort`) ends the request with
     that reason instead of SGLang's "Aborted by decode-side abort notification." (as SGLang's
-    handler does: a room not yet transferred is marked failed, the reason recorded first)."""
+    handler does: a room not yet transferred is marked failed, the reason recorded first). A
+    notice can come before the request reaches this node's scheduler (the decode node refuses
+    within milliseconds; a busy prefill loop creates the sender later), where SGLang's handler
+    would drop it and the request would wait forever: the room is remembered first (for
+    ``EARLY_ABORT_KEEP_S``) and :func:`sender_init_hook` fails it when its sender is made."""
     if not isinstance(side(), PrefillSide) or len(msg) < 5 or msg[0] != b"ABORT" \
             or not msg[4].startswith(ABORT_REASON_PREFIX):
         return original(self, msg, *args, **kwargs)
-    from sglang.srt.disaggregation.base.conn import KVPoll
-
     try:
         room = int(msg[1].decode("ascii"))
     except (ValueError, UnicodeDecodeError):
         return original(self, msg, *args, **kwargs)
-    if room in self.request_status and self.check_status(room) != KVPoll.Success:
-        self.record_failure(room, msg[4][:2000].decode("utf-8", "replace"))
-        self.update_status(room, KVPoll.Failed)
+    reason = msg[4][:2000].decode("utf-8", "replace")
+    now = time.monotonic()
+    with _EARLY_ABORTS_LOCK:               # first, so a sender made meanwhile finds it (sender_init_hook)
+        for r in [r for r, (_, t) in _EARLY_ABORTS.items() if now - t > EARLY_ABORT_KEEP_S]:
+            del _EARLY_ABORTS[r]
+        _EARLY_ABORTS[room] = (reason, now)
+    _fail_room(self, room, reason)
     return True
+
+
+def sender_init_hook(result, self, *args, **kwargs):
+    """AFTER ``NixlKVSender.__init__`` on an OasisKV prefill node: a room a decode node already
+    refused (:func:`abort_notification_hook`) fails at once with its reason."""
+    if not _EARLY_ABORTS or not isinstance(side(), PrefillSide):
+        return result
+    room = getattr(self, "bootstrap_room", None)
+    with _EARLY_ABORTS_LOCK:
+        got = _EARLY_ABORTS.pop(room, None)
+    if got is not None:
+        _fail_room(self.kv_mgr, room, got[0])
+    return result
 
 
 def send_kv_chunk_hook(original, self, req, last_chunk: bool = False, *args, **kwargs):

@@ -63,15 +63,15 @@ def req_free_hook(self, req, *args, **kwargs):
     return None
 
 
-def on_idle_hook(result, self, *args, **kwargs):
-    """AFTER ``Scheduler.on_idle``: once the scheduler has no request left, write the
-    ``OasisKV decode`` lines still queued (the overlap scheduler's extra step after the last
-    request can queue one after its ``ReqToTokenPool.free``); the device has nothing else to
-    do, so waiting for their copies costs no step."""
+def on_idle_hook(self, *args, **kwargs):
+    """BEFORE ``Scheduler.on_idle`` (before ``--sleep-on-idle`` sleeps): once the scheduler has
+    no request left, write the ``OasisKV decode`` lines still queued (the overlap scheduler's
+    extra step after the last request can queue one after its ``ReqToTokenPool.free``); the
+    device has nothing else to do, so waiting for their copies costs no step."""
     rt = runtime_of(getattr(self, "req_to_token_pool", None))
     if rt is not None and rt.log is not None and rt.log.pending() and self.is_fully_idle():
         rt.log.poll(wait=True)
-    return result
+    return None
 
 
 def req_clear_hook(result, self, *args, **kwargs):

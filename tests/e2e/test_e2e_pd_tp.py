@@ -17,7 +17,6 @@ acted on by every rank at the same loop iteration (``disagg/serving.py tp_agree`
   transfer would stop that prefill node's bootstrap thread; both nodes stay healthy.
 """
 
-import concurrent.futures as cf
 import re
 import time
 
@@ -106,6 +105,10 @@ def test_pd_prefill_node_of_another_tp_size_is_refused_naming_tp_size(tok, pd_tp
     rank and on the prefill node (told by the decode node), also the next one (the prefill info
     is not cached), and neither node stops serving."""
     dlog = pd_tp.dc.log
+    if pd_tp.pf is not None:              # run alone (-k): stop the --tp 3 prefill node here
+        pd_tp.pf_port = int(pd_tp.pf.url.rsplit(":", 1)[1])
+        pd_tp.pf.stop()
+        pd_tp.pf = None
     t0 = time.time()                      # SGLang's heartbeat forgets the killed node's parallel info
     while time.time() - t0 < 120 and "Lost connection with prefill instance" not in dlog():
         time.sleep(1)
@@ -132,15 +135,20 @@ def test_pd_prefill_node_of_another_tp_size_is_refused_naming_tp_size(tok, pd_tp
     assert took < 60, f"the refusal took {took:.0f} s"
     assert r.status_code != 200 and "--tp-size" in r.text, r.text
     # the router's circuit breaker now holds the failing prefill node out (503): the next
-    # request goes to both nodes directly, as the router sends it (the prefill info is not
-    # cached on the decode node, so it is checked again)
+    # request goes to the nodes directly, with the fields the router adds (the prefill info is
+    # not cached on the decode node, so it is checked again), first to the decode node: its
+    # notice reaches the prefill node before the request does, which must still end it at once
     body = {"text": "Hello 1", "sampling_params": {"max_new_tokens": 4}, "bootstrap_host": "127.0.0.1",
             "bootstrap_port": pd_tp.bootstrap, "bootstrap_room": 12345}
+    told = len(re.findall(r"OasisKV PD: told 1 prefill rank", dlog()))
     t = time.time()
-    with cf.ThreadPoolExecutor(2) as ex:
-        got = list(ex.map(lambda u: requests.post(u + "/generate", json=body, timeout=120), (pd_tp.pf.url, pd_tp.dc.url)))
+    rd = requests.post(pd_tp.dc.url + "/generate", json=body, timeout=120)
+    while time.time() - t < 30 and len(re.findall(r"OasisKV PD: told 1 prefill rank", dlog())) == told:
+        time.sleep(0.5)
+    assert len(re.findall(r"OasisKV PD: told 1 prefill rank", dlog())) == told + 1
+    rp = requests.post(pd_tp.pf.url + "/generate", json=body, timeout=120)
     assert time.time() - t < 60
-    for r in got:
+    for r in (rd, rp):
         assert r.status_code != 200 or "abort" in r.text.lower(), r.text
         assert "--tp-size" in r.text, r.text
     refused = re.findall(r"\[[^\]]* TP(\d)\] OasisKV PD: --tp-size: the prefill node at \S+ runs 1 attention TP "
