@@ -106,6 +106,7 @@ class TierLayout:
         ls = lay.lease_s
         if isinstance(ls, bool) or not isinstance(ls, (int, float)) or not 0 <= ls <= 86400:
             raise ValueError(f"OasisKV PD: tier layout: lease_s {ls!r}: want seconds in 0..86400")
+
         def _int(x) -> bool:
             return isinstance(x, int) and not isinstance(x, bool)
 

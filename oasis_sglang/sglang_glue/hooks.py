@@ -124,7 +124,7 @@ HOOKS: tuple[Hook, ...] = (
          "admit a transferred request: its blocks are backed by the prefill node's pages"),
     Hook("sglang.srt.disaggregation.decode.DecodePreallocQueue._ensure_prefill_info", "AROUND",
          "oasis_sglang.disagg.sglang_hooks:ensure_prefill_info_hook",
-         "refuse a prefill node of another --tp-size before SGLang sends it this node's KV indices (0.5.17's NIXL "
+         "refuse a prefill node of another --tp-size before SGLang registers this node's KV buffers there (0.5.17's NIXL "
          "fails in the prefill's bootstrap thread on a mixed-TP transfer to host memory, stopping that node)"),
     Hook("sglang.srt.disaggregation.nixl.conn.NixlKVManager._handle_abort_notification", "AROUND",
          "oasis_sglang.disagg.sglang_hooks:abort_notification_hook",
