@@ -74,9 +74,19 @@ def _resident_by_hand(wanted_steps, forced_steps, K, cap):
 
 @pytest.mark.parametrize("cap", [1, 3])
 def test_capped_working_set_follows_lru_capped_eviction(seed, cap):
-    H, G, T, D, P, bs, budget = 2, 2, 170, 16, 90, 8, 48
+    H, G, T, D, P, bs, budget = 2, 2, 170, 32, 90, 8, 48
     K = budget // bs
-    q, k, v = torch.randn(1, H * G, T, D), torch.randn(1, H, T, D), torch.randn(1, H, T, D)
+    q, k, v = 0.1 * torch.randn(1, H * G, T, D), 0.1 * torch.randn(1, H, T, D), torch.randn(1, H, T, D)
+    # Steer the top-K so that the cap binds by construction, whatever the seed: the keys of block
+    # b lean on axis b, and the query at step t on 3 blocks outside the forced ones (sink, 2 recent)
+    # that steps t-1 and t-2 did not pick, so every step misses 3 predicted blocks (cap 1 binds at
+    # every step, cap 3 wherever a new recent block is forced as well).
+    for b in range(-(-T // bs)):
+        k[0, :, b * bs:(b + 1) * bs, b] += 3.0
+    for t in range(P, T):
+        m = (t + 1) // bs - 3                              # blocks 1 .. m: neither sink nor recent
+        for i in range(3):
+            q[0, :, t, 1 + (3 * t + i) % m] += 2.0
     cfg = sparse_sim.SimConfig(prefix_len=P, budget_tokens=budget, block_size=bs, dense_layers=(), chunk=16,
                                fetch_cap=cap)
     with sparse_sim.simulate(cfg):
@@ -99,7 +109,7 @@ def test_capped_working_set_follows_lru_capped_eviction(seed, cap):
             ref = scaled_dot_product_attention(q[0, h * G:(h + 1) * G, t][:, None], k[0, h, pos][None].expand(G, -1, -1),
                                                v[0, h, pos][None].expand(G, -1, -1))
             assert torch.allclose(out[0, t, h * G:(h + 1) * G], ref[:, 0], atol=1e-5), (h, t)
-    assert capped_somewhere, "random queries must hit the cap (else the test shows nothing)"
+    assert capped_somewhere, "the steered queries must hit the cap (else the test shows nothing)"
     missing, admitted, n = cfg.admissions[2]
     assert n == (T - P - 1) * H and admitted <= missing
     assert admitted <= n * cap + (T - P) // bs * H, "admissions beyond the cap are forced (new recent blocks)"
