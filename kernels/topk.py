@@ -41,11 +41,11 @@ NEG_INF_KEY32 = -0x00800000 ^ 0x7FFFFFFF          # image of -inf (bits 0xFF8000
 
 
 @triton.jit
-def _score_kernel(Q, Kmin, Kmax, ReqToToken, Rows, SeqLens, Keys,
-                  stride_qb, stride_qh, stride_sp, stride_rt, stride_kb, stride_kh,
+def _score_kernel(Q, Kmin, Kmax, Scale, ReqToToken, Rows, SeqLens, Keys,
+                  stride_qb, stride_qh, stride_sp, stride_scp, stride_rt, stride_kb, stride_kh,
                   H, NB, sink, recent,
                   G: tl.constexpr, GP: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_F32: tl.constexpr):
+                  BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_F32: tl.constexpr, QUANT: tl.constexpr):
     pid = tl.program_id(0)
     b = pid // H
     h = pid % H
@@ -79,9 +79,16 @@ def _score_kernel(Q, Kmin, Kmax, ReqToToken, Rows, SeqLens, Keys,
         if DOT_F32:
             u = tl.dot(hi.to(tl.float32), tl.trans(qp.to(tl.float32)), input_precision="ieee")
             u = tl.dot(lo.to(tl.float32), tl.trans(qn.to(tl.float32)), u, input_precision="ieee")
+        elif QUANT:
+            # int8 levels are exact in bf16 / fp16: the products run in the query's dtype
+            u = tl.dot(hi.to(qt.dtype), tl.trans(qp.to(qt.dtype)))
+            u = tl.dot(lo.to(qt.dtype), tl.trans(qn.to(qt.dtype)), u)
         else:
             u = tl.dot(hi, tl.trans(qp.to(hi.dtype)))
             u = tl.dot(lo, tl.trans(qn.to(lo.dtype)), u)             # [BLOCK_N, GP] fp32
+        if QUANT:
+            # one scale per (block, KV head) multiplies both halves: u = scale * (q+ . M8 + q- . m8)
+            u = u * tl.load(Scale + page * stride_scp + h, mask=cand, other=0.0)[:, None]
         u = tl.where(gm[None, :], u, float("-inf"))
         # GQA: max over the group; NaN propagates as in the torch reference (compiled tl.max drops it)
         isnan = tl.max((u != u).to(tl.int32), axis=1) > 0
@@ -97,12 +104,19 @@ def _score_kernel(Q, Kmin, Kmax, ReqToToken, Rows, SeqLens, Keys,
 
 
 def block_keys(q, kmin, kmax, req_to_token, rows, seq_lens, block_size: int, sink_blocks: int,
-               recent_blocks: int, nb_max: int, block_n: int = 64, num_warps: int = 4) -> torch.Tensor:
+               recent_blocks: int, nb_max: int, block_n: int = 64, num_warps: int = 4,
+               kscale: torch.Tensor | None = None) -> torch.Tensor:
     """Selection keys ``[B, H, nb_max]`` int64 (see module docstring). Arguments as ``select_topk``;
     ``block_n`` (>= 16) blocks per program and ``num_warps`` are launch parameters
     (scripts/bench_kernels.py). The two products run on the tensor cores in the summaries' dtype
     (bf16 / fp16, fp32 accumulation) or, for fp32 summaries or a query of another dtype, in
     IEEE fp32.
+
+    ``kscale [P, H]`` float32 (an experiment, issue 17; not used in serving): the summaries are
+    ``torch.int8`` levels of ``core.summaries.quantize_outward`` and block ``p``'s bound at KV
+    head ``h`` is ``kscale[p, h]`` times the bound over the levels (half the bytes read); the
+    products run in the query's dtype (bf16 / fp16; levels are exact there) or IEEE fp32.
+    Reference: ``select_topk`` of ``dequantize(kmin, kscale)`` / ``dequantize(kmax, kscale)``.
 
     Raises:
         AssertionError: shapes, strides or dtypes do not match.
@@ -114,6 +128,10 @@ def block_keys(q, kmin, kmax, req_to_token, rows, seq_lens, block_size: int, sin
     assert q.stride(2) == 1 and kmin.is_contiguous() and kmax.is_contiguous() and req_to_token.stride(1) == 1
     assert rows.shape == seq_lens.shape == (B,) and rows.device == seq_lens.device == q.device == kmin.device
     assert req_to_token.device == q.device
+    quant = kscale is not None
+    if quant:
+        assert kmin.dtype == kmax.dtype == torch.int8 and kscale.dtype == torch.float32, (kmin.dtype, kscale.dtype)
+        assert kscale.shape == (P, H) and kscale.stride(1) == 1 and kscale.device == kmin.device, kscale.shape
     G = Hq // H
     rows, seq_lens = rows.contiguous(), seq_lens.contiguous()   # read with unit stride (no-ops when they are)
     assert block_n >= 16 and block_n & (block_n - 1) == 0, f"block_n must be a power of two >= 16, got {block_n}"
@@ -126,15 +144,17 @@ def block_keys(q, kmin, kmax, req_to_token, rows, seq_lens, block_size: int, sin
         check_range(req_to_token[rows.long(), :int(seq_lens.max())], 0, P * block_size,
                     "req_to_token entries of these rows")
     grid = (B * H, triton.cdiv(nb_max, block_n))
-    _score_kernel[grid](q, kmin, kmax, req_to_token, rows, seq_lens, keys,
-                        q.stride(0), q.stride(1), kmin.stride(0), req_to_token.stride(0),
+    _score_kernel[grid](q, kmin, kmax, kscale if quant else kmin, req_to_token, rows, seq_lens, keys,
+                        q.stride(0), q.stride(1), kmin.stride(0), kscale.stride(0) if quant else 0,
+                        req_to_token.stride(0),
                         keys.stride(0), keys.stride(1), H, nb_max, sink_blocks, recent_blocks,
                         G=G, GP=max(16, next_pow2(G)), BS=block_size, D=D, BLOCK_N=block_n,
                         BLOCK_D=max(16, next_pow2(D)),
                         # the Triton 3.6 interpreter multiplies bf16 tiles' raw bits: fp32 there
-                        DOT_F32=interpreting() or not (kmin.dtype in (torch.bfloat16, torch.float16)
-                                                       and q.dtype == kmin.dtype),
-                        num_warps=num_warps)
+                        DOT_F32=interpreting() or (q.dtype not in (torch.bfloat16, torch.float16) if quant
+                                                   else not (kmin.dtype in (torch.bfloat16, torch.float16)
+                                                             and q.dtype == kmin.dtype)),
+                        QUANT=quant, num_warps=num_warps)
     return keys
 
 
@@ -255,7 +275,7 @@ def select_topk(q, kmin, kmax, req_to_token, rows, seq_lens, block_size: int, si
                 recent_blocks: int, nb_max: int, k: int, **launch):
     """Triton version of :meth:`TorchKVOps.select_topk` (same arguments and result).
 
-    ``launch``: ``block_n`` / ``num_warps`` for ``block_keys``.
+    ``launch``: ``block_n`` / ``num_warps`` / ``kscale`` (int8 summaries) for ``block_keys``.
     """
     keys = block_keys(q, kmin, kmax, req_to_token, rows, seq_lens, block_size, sink_blocks, recent_blocks, nb_max,
                       **launch)

