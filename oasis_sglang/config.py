@@ -277,6 +277,8 @@ class OasisConfig:
             raise
         except (json.JSONDecodeError, ValueError) as e:
             raise OasisConfigError(f"kv_sparse_config is not valid JSON ({e}): {shown!r}") from None
+        except RecursionError:
+            raise OasisConfigError(f"kv_sparse_config is nested too deeply to parse: {shown!r}") from None
         return cls.from_dict(d)
 
     def check_model(self, num_layers: int) -> None:

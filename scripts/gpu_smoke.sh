@@ -7,7 +7,7 @@
 #             and scripts/count_launches.py -> $OUT/count_launches/)
 #   stage 2: carry .gpuhost/whl2 .gpuhost/kit .gpuhost/c2     -> bash scripts/gpu_smoke.sh 2
 #            (also runs scripts/bench_kernels.py -> $OUT/bench_kernels.md and
-#             scripts/bench_pipeline.py -> $OUT/bench_pipeline/; BENCH=kernels | paired | plan | pipeline | none
+#             scripts/bench_pipeline.py -> $OUT/bench_pipeline/; BENCH=kernels | paired | plan | scoring | pipeline | none
 #             runs only bench_kernels, only its paired-forward or select-stage (plan) section, only bench_pipeline, or neither)
 #   stage 3: carry .gpuhost/kit .gpuhost/c3                    -> bash scripts/gpu_smoke.sh 3 [pytest args]
 #            (TESTS="tests/e2e/test_e2e_lookahead.py" picks other test files)
@@ -63,8 +63,9 @@ case $stage in
       all|kernels) PYTHONPATH=$PWD:$PYTHONPATH python3 scripts/bench_kernels.py --out ${OUT:-/tmp}/bench_kernels.md ;;
       paired) PYTHONPATH=$PWD:$PYTHONPATH python3 scripts/bench_kernels.py --only paired --out ${OUT:-/tmp}/bench_paired.md ;;
       plan) PYTHONPATH=$PWD:$PYTHONPATH python3 scripts/bench_kernels.py --only plan --out ${OUT:-/tmp}/bench_plan.md ;;
+      scoring) PYTHONPATH=$PWD:$PYTHONPATH python3 scripts/bench_kernels.py --only scoring --out ${OUT:-/tmp}/bench_scoring.md ;;
       pipeline|none) ;;
-      *) echo "BENCH must be all, kernels, paired, plan, pipeline or none (got ${BENCH})"; exit 2 ;;
+      *) echo "BENCH must be all, kernels, paired, plan, scoring, pipeline or none (got ${BENCH})"; exit 2 ;;
     esac
     case ${BENCH:-all} in
       all|pipeline) PYTHONPATH=$PWD:$PYTHONPATH python3 scripts/bench_pipeline.py --out ${OUT:-/tmp}/bench_pipeline "$@" ;;

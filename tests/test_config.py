@@ -56,6 +56,8 @@ def test_not_json_or_not_object():
     with pytest.raises(OasisConfigError, match=r"\(5020 characters\)") as e:
         OasisConfig.from_json(long)
     assert len(str(e.value)) < 600, "a long value is not echoed whole"
+    with pytest.raises(OasisConfigError, match="kv_sparse_config is nested too deeply"):
+        OasisConfig.from_json("[" * 100000 + "]" * 100000)
 
 
 def test_check_model_layer_range():

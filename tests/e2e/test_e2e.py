@@ -222,6 +222,9 @@ def test_overlong_prompt_gets_400_and_server_keeps_serving(oasis_512, tok):
     r = requests.post(oasis_512.url + "/generate", json={"text": "Hi", "return_logprob": True, "top_logprobs_num": 10 ** 6,
                                                          "sampling_params": {"max_new_tokens": 2}}, timeout=300)
     assert r.status_code == 400 and "top_logprobs_num" in r.text, r.text
+    r = requests.post(oasis_512.url + "/generate", json={"text": "Hi", "sampling_params": {"max_new_tokens": "ten"}},
+                      timeout=300)                      # SGLang's own check raised a TypeError: a bare 500
+    assert r.status_code == 400 and "max_new_tokens must be an integer" in r.text, r.text
     assert requests.get(oasis_512.url + "/health", timeout=60).status_code == 200
     assert "4729" in chat(oasis_512.url, needle.build(tok, 2048, 0.5).messages)
 

@@ -10,6 +10,10 @@ request fails and the server stops serving, with or without ``--kv-sparse``. Thi
 ``_validate_one_request`` (listed in ``hooks.HOOKS``), raises the same ``ValueError`` SGLang uses
 for its other request checks, which the HTTP server returns as a 400 for that request alone.
 
+A ``max_new_tokens`` that is not a number (``"ten"``) fails inside ``_validate_one_request``
+itself (``max_new_tokens + input_token_num``: a ``TypeError``, so an HTTP 500 with no message);
+it is refused here with a ``ValueError`` naming it.
+
 The same holds for ``top_logprobs_num`` larger than the vocabulary with ``return_logprob``:
 ``logprobs.topk(k)`` (``layers/logprob_processor.py get_top_logprobs_raw``) raises "selected
 index k out of range" in the scheduler, which exits.
@@ -23,8 +27,15 @@ def validate_input_ids_hook(self, obj, input_ids, *args, **kwargs):
 
     Raises:
         ValueError: an id that is not an integer in ``[0, vocab_size)``, naming it and the range;
-            ``top_logprobs_num`` above ``vocab_size`` when ``return_logprob`` is set.
+            ``top_logprobs_num`` above ``vocab_size`` when ``return_logprob`` is set;
+            ``sampling_params.max_new_tokens`` that is not an integer (or an integral float).
     """
+    sp = getattr(obj, "sampling_params", None)
+    m = sp.get("max_new_tokens") if isinstance(sp, dict) else None
+    if m is not None and (isinstance(m, bool) or not isinstance(m, (int, float))
+                          or (isinstance(m, float) and not m.is_integer())):
+        shown = repr(m) if len(repr(m)) <= 80 else repr(m)[:80] + "..."
+        raise ValueError(f"sampling_params.max_new_tokens must be an integer, got {shown}")
     vocab = getattr(getattr(self, "model_config", None), "vocab_size", None)
     if not isinstance(vocab, int):
         return None

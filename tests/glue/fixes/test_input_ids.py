@@ -40,3 +40,14 @@ def test_top_logprobs_above_the_vocabulary_are_refused(k, ok):
             validate_input_ids_hook(TM, obj, [1, 2])
     obj.return_logprob = False                            # not asked for: SGLang ignores the number
     assert validate_input_ids_hook(TM, obj, [1]) is None
+
+
+@pytest.mark.parametrize("m,ok", [(10, True), (None, True), (10.0, True), ("ten", False), (True, False),
+                                  ([1], False), (2.5, False)])
+def test_a_max_new_tokens_that_is_not_an_integer_is_refused_naming_it(m, ok):
+    obj = SimpleNamespace(sampling_params={"max_new_tokens": m})
+    if ok:
+        assert validate_input_ids_hook(TM, obj, [1, 2]) is None
+    else:
+        with pytest.raises(ValueError, match=r"sampling_params\.max_new_tokens must be an integer, got"):
+            validate_input_ids_hook(TM, obj, [1, 2])
