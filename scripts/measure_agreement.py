@@ -386,18 +386,6 @@ def lookahead_main(a, model, tok) -> int:
     for layer in layers:
         lines.append(f"| {layer} | " + " | ".join(f"{per[b][p][layer]:.4f}" for b in a.budgets for p in preds) + " |")
     lines += ["", f"Wall time: {wall:.0f} s"]
-    if sdt is not None:
-        res["agreement_summary_vs_exact"] = {}
-        lines += ["", f"Agreement of the top-K selected with {a.summary_dtype} summaries with the top-K selected with "
-                  "exact summaries (each step's own query, non-forced blocks), per sparse layer:", "",
-                  "| budget | mean | min layer | per layer |", "|---|---|---|---|"]
-        for b in a.budgets:
-            per = {layer: s / max(1, n) for layer, (s, n) in sorted(sagree[b].items())}
-            res["agreement_summary_vs_exact"][b] = per
-            if per:
-                mean, low, lo = _mean_min(per)
-                lines.append(f"| {b} | {mean:.4f} | {low:.4f} (layer {lo}) | " + " ".join(f"{v:.3f}" for v in per.values())
-                             + " |")
     table = "\n".join(lines)
     print(table)
     a.out.mkdir(parents=True, exist_ok=True)
