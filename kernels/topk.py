@@ -109,9 +109,9 @@ def block_keys(q, kmin, kmax, req_to_token, rows, seq_lens, block_size: int, sin
     """Selection keys ``[B, H, nb_max]`` int64 (see module docstring). Arguments as ``select_topk``;
     ``block_n`` (>= 16) blocks per program and ``num_warps`` are launch parameters
     (scripts/bench_kernels.py; 32 / 4 measured best of 7 on the H100 on 2026-12-06: 63.8 vs 75.8 us
-    per layer for 64 / 4 at 40 x 16K, 76.2 vs 82.3 us with a CUDA-graph table 3x the context). The two products run on the tensor cores in the summaries' dtype
-    (bf16 / fp16, fp32 accumulation) or, for fp32 summaries or a query of another dtype, in
-    IEEE fp32.
+    per layer for 64 / 4 at 40 x 16K, 76.2 vs 82.3 us with a CUDA-graph table 3x the context).
+    The two products run on the tensor cores in the summaries' dtype (bf16 / fp16, fp32
+    accumulation) or, for fp32 summaries or a query of another dtype, in IEEE fp32.
 
     ``kscale [P, H]`` float32 (an experiment, issue 17; not used in serving): the summaries are
     ``torch.int8`` levels of ``core.summaries.quantize_outward`` and block ``p``'s bound at KV
