@@ -12,12 +12,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 import bench_kernels  # noqa: E402
 
 
-def test_the_plan_section_times_the_select_stage_kernels_on_valid_inputs():
+def _recorder():
+    """An ``add`` for the bench sections that calls each timed function once and keeps its result
+    by kernel name, instead of timing it."""
     seen = {}
 
     def add(kernel, shape, fn, nbytes, bound, **kw):
         seen[kernel] = fn()
         assert nbytes > 0 and bound == "hbm"
+    return seen, add
+
+
+def test_the_plan_section_times_the_select_stage_kernels_on_valid_inputs():
+    seen, add = _recorder()
 
     raw = {}
     bench_kernels.plan_section(add, raw, B=3, ctx=512, K=8, cap=2, dev="cpu")
@@ -32,11 +39,7 @@ def test_the_plan_section_times_the_select_stage_kernels_on_valid_inputs():
 
 
 def test_the_scoring_section_times_bf16_and_int8_summaries_on_valid_inputs():
-    seen = {}
-
-    def add(kernel, shape, fn, nbytes, bound, **kw):
-        seen[kernel] = fn()
-        assert nbytes > 0 and bound == "hbm"
+    seen, add = _recorder()
 
     raw = {}
     bench_kernels.scoring_section(add, raw, B=2, ctx=1024, K=8, dev="cpu")

@@ -30,7 +30,9 @@ def test_perplexity_mode_writes_its_results(tmp_path, sdt):
 
 def test_agreement_only_mode_writes_its_results(tmp_path):
     res = _run(tmp_path, "--agreement-only", "--budgets", "32")
-    assert json.dumps(res) and (tmp_path / "results.md").exists()
+    per = next(iter(res["agreement"].values()))            # budget -> predictor -> layer -> agreement
+    assert per and all(0 <= v <= 1 for layers in per.values() for v in layers.values())
+    assert 0 <= res["ngram_hit_rate"] <= 1 and (tmp_path / "results.md").exists()
 
 
 def test_summary_dtype_with_agreement_only_is_refused(tmp_path):
