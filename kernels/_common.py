@@ -73,3 +73,12 @@ def check_range(t: torch.Tensor, lo: int, hi: int, name: str) -> None:
     if t.numel() and (int(t.min()) < lo or int(t.max()) >= hi):
         raise IndexError(f"OasisKV kernels: {name} must lie in [{lo}, {hi}), got values in "
                          f"[{int(t.min())}, {int(t.max())}]")
+
+
+def pair_tile_warps(k: int) -> int:
+    """Warps of a one-program-per-(request, KV head) kernel holding ``[K, K]`` comparison tiles
+    (kernels 6, 6b and 8) for ``k`` slots: 4 up to 128 (64 tile elements per thread), 8 above.
+    Measured on the H100 at 40 x 16K, ``K`` 128 (2026-12-06, CUDA graphs, us per layer;
+    docs/benchmarks/2026-12-06_select-warps-h100.md): churn replay 12.2 with 4 warps vs 22.2
+    with 8, candidates 7.9 vs 11.6, plan 25.5 vs 26.9."""
+    return 4 if next_pow2(k) <= 128 else 8

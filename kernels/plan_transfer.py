@@ -34,7 +34,7 @@ import triton.language as tl
 
 from oasis_sglang.core.ops import TorchKVOps
 
-from ._common import check_range, checks_enabled, next_pow2
+from ._common import check_range, checks_enabled, next_pow2, pair_tile_warps
 
 reference = TorchKVOps().plan_transfer
 reference_candidates = TorchKVOps().budget_candidates
@@ -162,7 +162,7 @@ def _list_candidates(Ids, Rows, Wanted, Forced, Out, stride_ir, stride_ih, strid
     tl.store(Out + obase + j, idx.to(tl.int32), mask=cand)
 
 
-def budget_candidates(ids, rows, wanted, forced, fetch_cap, budget=None, num_warps: int = 8):
+def budget_candidates(ids, rows, wanted, forced, fetch_cap, budget=None, num_warps: int | None = None):
     """Triton version of :meth:`TorchKVOps.budget_candidates` (same arguments and result).
 
     Raises:
@@ -183,12 +183,12 @@ def budget_candidates(ids, rows, wanted, forced, fetch_cap, budget=None, num_war
         ids, rows.contiguous(), wanted, forced, out, out if budget is None else budget,
         ids.stride(0), ids.stride(1), wanted.stride(0), wanted.stride(1),
         H, K, C, C, HAS_CAP=fetch_cap is not None, HAS_BUDGET=budget is not None, BLOCK_K=next_pow2(K),
-        num_warps=num_warps)
+        num_warps=num_warps or pair_tile_warps(K))
     return out
 
 
 def plan_transfer(ids, last_used, rows, wanted, forced, step, fetch_cap, seq, req_to_token, block_size: int,
-                  num_pages: int, counters, skip_row: int | None = None, allow=None, num_warps: int = 8):
+                  num_pages: int, counters, skip_row: int | None = None, allow=None, num_warps: int | None = None):
     """Triton version of :meth:`TorchKVOps.plan_transfer` (same arguments and result).
 
     Raises:
@@ -226,5 +226,6 @@ def plan_transfer(ids, last_used, rows, wanted, forced, step, fetch_cap, seq, re
         ids.stride(0), ids.stride(1), wanted.stride(0), wanted.stride(1), req_to_token.stride(0),
         H, K, num_pages, req_to_token.shape[1], 0 if fetch_cap is None else min(int(fetch_cap), K),   # >= K: unbounded
         -1 if skip_row is None else int(skip_row),
-        HAS_CAP=fetch_cap is not None, HAS_ALLOW=allow is not None, BS=block_size, BLOCK_K=next_pow2(K), num_warps=num_warps)
+        HAS_CAP=fetch_cap is not None, HAS_ALLOW=allow is not None, BS=block_size, BLOCK_K=next_pow2(K),
+        num_warps=num_warps or pair_tile_warps(K))
     return dst, src, counts

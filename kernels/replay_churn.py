@@ -26,7 +26,7 @@ import triton.language as tl
 
 from oasis_sglang.core.churn import replay_churn as reference
 
-from ._common import next_pow2
+from ._common import next_pow2, pair_tile_warps
 
 __all__ = ["replay_churn", "reference"]
 
@@ -96,7 +96,7 @@ def _replay_churn_kernel(Wanted, Forced, Ids, Rows, Seed, OutW, OutF, H, K, m_fl
 
 
 def replay_churn(wanted: torch.Tensor, forced: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor, mean: float,
-                 seed: torch.Tensor, salt: int = 0, num_warps: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+                 seed: torch.Tensor, salt: int = 0, num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton version of :func:`core.churn.replay_churn` with the rows' resident blocks read in
     the kernel (``held = ids[rows]``).
 
@@ -130,5 +130,5 @@ def replay_churn(wanted: torch.Tensor, forced: torch.Tensor, ids: torch.Tensor, 
     fl = math.floor(mean)
     _replay_churn_kernel[(B * H,)](wanted, forced.view(torch.int8), ids, rows, seed.to(torch.int64).contiguous(),
                                    out_w, out_f, H, K, fl, mean - fl, int(salt) * 2654435761, BLOCK_K=next_pow2(K),
-                                   num_warps=num_warps)
+                                   num_warps=num_warps or pair_tile_warps(K))
     return out_w, out_f.view(torch.bool)

@@ -174,6 +174,24 @@ def _decode_keys_kernel(Vals, Idx, Wanted, Forced, KK, K, BLOCK: tl.constexpr, P
 
 
 @triton.jit
+def _count_ge(x, m, t):
+    """``#{i: m[i] and x[i] >= t}`` (int32 scalar)."""
+    return tl.sum((m & (x >= t)).to(tl.int32), axis=0)
+
+
+@triton.jit
+def _kth_largest_i32(x, m, kk):
+    """The ``kk``-th largest value of the int32 ``x`` where ``m`` (``1 <= kk <= #m``), bit by bit
+    from the top: the sign first, then bits 30 .. 0 set greedily while ``kk`` values stay at or
+    above the trial (32 counting passes)."""
+    t = tl.where(_count_ge(x, m, 0) >= kk, 0, -2147483647 - 1).to(tl.int32)
+    for bit in range(30, -1, -1):
+        trial = t + (1 << bit)
+        t = tl.where(_count_ge(x, m, trial) >= kk, trial, t)
+    return t
+
+
+@triton.jit
 def _select_kernel(Keys, Scratch, Wanted, Forced, NB, K, KK, BLOCK_N: tl.constexpr, KP: tl.constexpr,
                    POS: tl.constexpr, NEG: tl.constexpr):
     # one program per (row, KV head): the KK largest of NB distinct int64 keys, in descending order
@@ -181,17 +199,19 @@ def _select_kernel(Keys, Scratch, Wanted, Forced, NB, K, KK, BLOCK_N: tl.constex
     n = tl.arange(0, BLOCK_N)
     nm = n < NB
     keys = tl.load(Keys + r * NB + n, mask=nm, other=-9223372036854775807 - 1)
-    # radix select, one bit at a time from the top (keys are distinct, so exactly KK keys are >= t):
-    # the sign bit first, then bits 62 .. 0 set greedily while KK keys stay at or above the trial.
-    # (Two bits per pass with the three counts packed in one sum ran slower on the H200: 45.5 vs
-    # 38.8 us per layer at 32 x 8 rows of 1,037 keys.)
-    n_pos = tl.sum((nm & (keys >= 0)).to(tl.int32), axis=0)
-    t = tl.where(n_pos >= KK, 0, -9223372036854775807 - 1).to(tl.int64)
-    for bit in range(62, -1, -1):
-        trial = t + (tl.full((), 1, tl.int64) << bit)
-        c = tl.sum((nm & (keys >= trial)).to(tl.int32), axis=0)
-        t = tl.where(c >= KK, trial, t)
-    sel = nm & (keys >= t)
+    # radix select in two int32 halves (half the registers and instructions of int64 compares,
+    # 32 passes instead of 64): the KK-th largest high half T (the score image), then, only when
+    # several keys share T (ties: equal scores, or absent blocks of a row shorter than KK), the
+    # keys with high half T ranked by their low half (unsigned: shifted into int32's order).
+    hi = (keys >> 32).to(tl.int32)
+    lo = ((keys & 4294967295) - 2147483648).to(tl.int32)
+    t_hi = _kth_largest_i32(hi, nm, KK)
+    eq = nm & (hi == t_hi)
+    need = KK - tl.sum((nm & (hi > t_hi)).to(tl.int32), axis=0)      # >= 1 of the keys with high half T
+    t_lo = tl.full((), -2147483647 - 1, tl.int32)
+    if tl.sum(eq.to(tl.int32), axis=0) != need:       # ties at T: rare outside short rows
+        t_lo = _kth_largest_i32(lo, eq, need)
+    sel = nm & ((hi > t_hi) | (eq & (lo >= t_lo)))
     # compact the KK chosen keys (any order) into this row's scratch, then rank them: key i goes to
     # place #{chosen keys > key i}
     pos = tl.cumsum(sel.to(tl.int32), axis=0) - 1
@@ -201,11 +221,11 @@ def _select_kernel(Keys, Scratch, Wanted, Forced, NB, K, KK, BLOCK_N: tl.constex
     im = i < KK
     kv = tl.load(Scratch + r * KP + i, mask=im, other=-9223372036854775807 - 1, cache_modifier=".cg")
     rank = tl.sum((kv[None, :] > kv[:, None]).to(tl.int32), axis=1)
-    hi = kv >> 32
+    hk = kv >> 32
     j = 4294967295 - (kv & 4294967295)
-    wanted = tl.where(hi > NEG, j, -1)
+    wanted = tl.where(hk > NEG, j, -1)
     tl.store(Wanted + r * K + rank, wanted, mask=im)
-    tl.store(Forced + r * K + rank, (hi == POS).to(tl.int8), mask=im)
+    tl.store(Forced + r * K + rank, (hk == POS).to(tl.int8), mask=im)
     pad = (i >= KK) & (i < K)
     tl.store(Wanted + r * K + i, tl.full((KP,), -1, tl.int64), mask=pad)
     tl.store(Forced + r * K + i, tl.zeros((KP,), tl.int8), mask=pad)
@@ -217,13 +237,30 @@ MAX_SELECT_NB = 16384
 MAX_SELECT_K = 256
 
 
-def topk_from_keys(keys: torch.Tensor, k: int, fused: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def select_warps(block_n: int) -> int:
+    """Warps of one fused selection program for rows padded to ``block_n`` keys: each counting
+    pass ends in a reduction across the program's warps, so fewer warps pass faster until the
+    row no longer fits their registers. Measured on the H100 (2026-12-06, ``k`` 128, CUDA
+    graphs, us per layer; docs/benchmarks/2026-12-06_select-warps-h100.md): 512 keys x 1264
+    rows: 1 warp 20.2, 2: 23.1, 4: 38.8; 1,024 x 320: 2 warps 13.9, 4: 14.0, 8: 23.1; 2,048 x
+    320: 4 warps 17.6, 8: 25.6; 4,096 x 160 / 328: 4 warps 22.0 / 30.3, 8: 21.1 / 33.8."""
+    if block_n <= 512:
+        return 1
+    if block_n <= 1024:
+        return 2
+    return 4 if block_n <= 4096 else 16
+
+
+def topk_from_keys(keys: torch.Tensor, k: int, fused: bool | None = None,
+                   num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(wanted [B, H, k] int64, forced [B, H, k] bool)`` from ``block_keys`` (``-1`` padding).
 
     One launch (``_select_kernel``) for rows of up to ``MAX_SELECT_NB`` keys and ``k`` up to
-    ``MAX_SELECT_K``: a radix select of the ``k`` largest keys bit by bit (64 counting passes over
-    the row in registers), then their descending order by ranking (``[k, k]`` comparisons) and the
-    decode of wanted / forced. The same result as ``torch.topk(keys, k, sorted=True)`` followed by
+    ``MAX_SELECT_K``: a radix select of the ``k`` largest keys bit by bit over the row in registers
+    (32 counting passes over the keys' high halves, the score images; 32 more over the low halves
+    of the keys tied at the threshold, only when there are ties), then their descending order by
+    ranking (``[k, k]`` comparisons) and the decode of wanted / forced. ``num_warps``: the fused
+    launch's warps per row (default ``select_warps``). The same result as ``torch.topk(keys, k, sorted=True)`` followed by
     the decode (the keys are distinct, so the order is total); on the H200 ``torch.topk`` on int64
     keys ran a 32-pass radix select per row (``sbtopk``, ~73 us per layer at 32 x 8 rows of 2,561)
     and its own sort. Larger rows or ``k`` take that path (``fused=False`` forces it, ``True``
@@ -253,7 +290,7 @@ def topk_from_keys(keys: torch.Tensor, k: int, fused: bool | None = None) -> tup
             BLOCK_N = next_pow2(NB)
             _select_kernel[(B * H,)](keys, scratch, wanted, forced.view(torch.int8), NB, k, kk, BLOCK_N=BLOCK_N,
                                      KP=KP, POS=POS_INF_KEY32, NEG=NEG_INF_KEY32,
-                                     num_warps=16 if BLOCK_N >= 8192 else 8 if BLOCK_N >= 2048 else 4)
+                                     num_warps=num_warps or select_warps(BLOCK_N))
         return wanted, forced
     vals, idx = torch.topk(keys, kk, dim=-1, largest=True, sorted=True)
     if k > 4096:                    # one program holds a row of k keys: beyond that, elementwise ops

@@ -184,6 +184,22 @@ def test_fused_selection_equals_torch_topk(seed, B, H, NB, k):
     assert got[0].shape == (B, H, k) and got[1].dtype == torch.bool
 
 
+@pytest.mark.skipif(not CUDA, reason="launch parameter: the interpreter runs one program as a whole")
+@pytest.mark.parametrize("NB", [276, 1044, 3076])
+@pytest.mark.parametrize("warps", [1, 2, 4, 8, 16])
+def test_fused_selection_is_exact_at_every_warp_count(seed, NB, warps):
+    """The launch's warps change the register layout of the row and of the counting reductions,
+    never the result: exact against ``torch.topk`` at the serving widths (4K / 16K contexts and a
+    CUDA-graph table 3x 16K), ties and forced / absent blocks included."""
+    img = torch.randint(-4, 5, (6, 8, NB), dtype=torch.int64) * 1000003
+    img = torch.where(torch.rand(6, 8, NB) < 0.05, torch.full_like(img, POS_INF_KEY32), img)
+    img = torch.where(torch.rand(6, 8, NB) < 0.3, torch.full_like(img, NEG_INF_KEY32), img)
+    keys = (img * 4294967296 + (4294967295 - torch.arange(NB))).to(DEV)
+    got = topk_from_keys(keys, 128, fused=True, num_warps=warps)
+    want = topk_from_keys(keys, 128, fused=False)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 def test_fused_selection_refuses_rows_it_cannot_hold():
     with pytest.raises(ValueError, match="at most"):
         topk_from_keys(torch.zeros((1, 1, MAX_SELECT_NB + 1), dtype=torch.int64, device=DEV), 8, fused=True)
