@@ -8,7 +8,10 @@ token is the block's last (``pos % bs == bs - 1``), stores the whole block (the 
 with the new one merged in registers, so no barrier between the two stores) to its host page
 ``req_to_token[row, pos] // bs``: one ``bs * (D + Dv)``-element piece, a zero-copy store into
 mapped pinned memory on CUDA. A token whose block is not resident is written nowhere and counted
-in ``violations`` (atomics; no host sync).
+in ``violations`` (atomics; no host sync). With ``fold`` the same program also folds the token's
+key into its block's min/max summary (kernel 1's decode launch, ``write_kv(one_token_each=True,
+write_host=False)``, which it replaces: a sparse layer's decode step launches the append, the
+two attention stages and nothing else on the compute stream).
 Bytes per token and KV head: ``(D + Dv) * e`` written to the device, and ``bs * (D + Dv) * e``
 read and written to the host once per completed block.
 Reference: ``oasis_sglang.core.ops.TorchKVOps.append_tokens``.
@@ -29,11 +32,12 @@ reference = TorchKVOps().append_tokens
 
 @triton.jit
 def _append_tokens_kernel(WsK, WsV, Ids, Rows, Pos, Kn, Vn, HostK, HostV, ReqToToken, Violations, Counters,
+                          Kmin, Kmax, FoldLoc, FoldK,
                           stride_wk_r, stride_wk_h, stride_wv_r, stride_wv_h, stride_ir, stride_ih,
                           stride_kn_b, stride_kn_h, stride_vn_b, stride_vn_h, stride_hk_h, stride_hv_h,
-                          stride_rt, H, K, skip_row,
+                          stride_rt, stride_s_p, stride_fk_b, stride_fk_h, H, K, skip_row,
                           BS: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr,
-                          BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+                          BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, FOLD: tl.constexpr):
     pid = tl.program_id(0)
     b = pid // H
     h = (pid % H).to(tl.int64)
@@ -74,11 +78,30 @@ def _append_tokens_kernel(WsK, WsV, Ids, Rows, Pos, Kn, Vn, HostK, HostV, ReqToT
     tl.store(HostV + h * stride_hv_h + page * (BS * DV) + t[:, None] * DV + dv[None, :],
              vb.to(HostV.dtype.element_ty), mask=done & dvm[None, :])
     tl.atomic_add(Counters + 3, done.to(tl.int64), mask=done)
+    if FOLD:
+        # kernel 1's decode fold (``write_kv(one_token_each=True, write_host=False)``) of this
+        # (request, KV head), every row as there: the key as the tier holds it (fp8: rounded)
+        # starts its block's summary at block offset 0, else is folded into it; NaN propagates
+        loc = tl.load(FoldLoc + b).to(tl.int64)
+        kf = tl.load(FoldK + b.to(tl.int64) * stride_fk_b + h * stride_fk_h + d, mask=dm, other=0.0)
+        kc = kf.to(HostK.dtype.element_ty).to(Kmin.dtype.element_ty).to(tl.float32)
+        srow = (loc // BS) * stride_s_p + h * D + d
+        cont = dm & (loc % BS > 0)
+        lo = tl.minimum(kc, tl.load(Kmin + srow, mask=cont, other=float("inf")).to(tl.float32),
+                        propagate_nan=tl.PropagateNan.ALL)
+        hi = tl.maximum(kc, tl.load(Kmax + srow, mask=cont, other=float("-inf")).to(tl.float32),
+                        propagate_nan=tl.PropagateNan.ALL)
+        tl.store(Kmin + srow, lo.to(Kmin.dtype.element_ty), mask=dm)
+        tl.store(Kmax + srow, hi.to(Kmax.dtype.element_ty), mask=dm)
 
 
 def append_tokens(ws_k, ws_v, ids, rows, pos, k, v, host_k, host_v, req_to_token, violations, counters,
-                  skip_row: int | None = None, num_warps: int = 4) -> None:
+                  skip_row: int | None = None, fold=None, num_warps: int = 4) -> None:
     """Triton version of :meth:`TorchKVOps.append_tokens` (same arguments and effect).
+
+    ``fold = (kmin, kmax, loc, k)``: the same launch also folds each row's key into its block's
+    summary as ``write_kv(..., loc, k, v, one_token_each=True, write_host=False)`` does (kernel
+    1's decode launch, which it replaces: one launch per sparse layer and step fewer).
 
     Raises:
         AssertionError: shapes, strides, dtypes or devices do not match (before the launch).
@@ -99,15 +122,31 @@ def append_tokens(ws_k, ws_v, ids, rows, pos, k, v, host_k, host_v, req_to_token
     for t in (ws_k, ws_v, rows, pos, k, v, req_to_token, violations, counters):
         assert t.device == dev, "append_tokens: every device tensor must be on the working set's device"
     assert violations.dtype == counters.dtype == torch.int64 and counters.numel() >= 4
+    if fold is not None:
+        kmin, kmax, floc, fk = fold
+        P = host_k.shape[1]
+        assert kmin.shape == kmax.shape == (P, H, D) and kmin.dtype == kmax.dtype, (kmin.shape, kmax.shape)
+        assert kmin.is_contiguous() and kmax.is_contiguous() and kmin.device == kmax.device == dev
+        assert floc.shape == (B,) and fk.shape == (B, H, D) and fk.stride(2) == 1, (floc.shape, fk.shape)
+        assert floc.device == fk.device == dev
+        floc = floc.contiguous()
+    else:
+        kmin = kmax = floc = fk = None
     if B == 0:
         return
     if checks_enabled():
         check_range(rows, 0, R, "rows")
         check_range(pos, 0, req_to_token.shape[1], "pos")
+        if fold is not None:
+            check_range(floc, 0, host_k.shape[1] * BS, "fold loc (token locations)")
     _append_tokens_kernel[(B * H,)](
         ws_k, ws_v, ids, rows, pos, k, v, kernel_arg(host_k, dev), kernel_arg(host_v, dev), req_to_token,
         violations, counters,
+        ws_k if kmin is None else kmin, ws_k if kmax is None else kmax, rows if floc is None else floc,
+        k if fk is None else fk,
         ws_k.stride(0), ws_k.stride(1), ws_v.stride(0), ws_v.stride(1), ids.stride(0), ids.stride(1),
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), host_k.stride(0), host_v.stride(0),
-        req_to_token.stride(0), H, K, -1 if skip_row is None else int(skip_row),
-        BS=BS, D=D, DV=DV, BLOCK_K=next_pow2(K), BLOCK_D=next_pow2(D), BLOCK_DV=next_pow2(DV), num_warps=num_warps)
+        req_to_token.stride(0), 0 if kmin is None else kmin.stride(0), 0 if fk is None else fk.stride(0),
+        0 if fk is None else fk.stride(1), H, K, -1 if skip_row is None else int(skip_row),
+        BS=BS, D=D, DV=DV, BLOCK_K=next_pow2(K), BLOCK_D=next_pow2(D), BLOCK_DV=next_pow2(DV),
+        FOLD=fold is not None, num_warps=num_warps)

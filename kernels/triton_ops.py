@@ -86,12 +86,13 @@ class TritonKVOps(BaseKVOps):
                              num_pages, counters, skip_row, allow)
 
     def append_tokens(self, ws_k, ws_v, ids, rows, pos, k, v, host_k, host_v, req_to_token, violations,
-                      counters, skip_row=None):
-        """See :meth:`BaseKVOps.append_tokens` (``kernels.append_tokens``: one launch)."""
+                      counters, skip_row=None, fold=None):
+        """See :meth:`BaseKVOps.append_tokens` (``kernels.append_tokens``: one launch, the fold included)."""
         if ids.shape[-1] > MAX_FUSED_APPEND_K:
             return TorchKVOps.append_tokens(self, ws_k, ws_v, ids, rows, pos, k, v, host_k, host_v, req_to_token,
-                                            violations, counters, skip_row)
-        append_tokens(ws_k, ws_v, ids, rows, pos, k, v, host_k, host_v, req_to_token, violations, counters, skip_row)
+                                            violations, counters, skip_row, fold)
+        append_tokens(ws_k, ws_v, ids, rows, pos, k, v, host_k, host_v, req_to_token, violations, counters, skip_row,
+                      fold)
 
     def dense_plan(self, ids, last_used, rows, seq, block_size, pipelined, clock_next, counters, skip_row=None):
         """See :meth:`BaseKVOps.dense_plan` (``kernels.dense_plan``: one launch for every layer).

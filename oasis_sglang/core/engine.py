@@ -133,6 +133,9 @@ class OasisSparseKV:
         # row -> CUDA event after the last sparse layer's plan of its first decode step
         # (``extend_attention``; read by ``planned_working_set``)
         self._plan_done: dict[int, object] = {}
+        # per sparse layer: a decode write's ``(loc, k, v)`` whose summary fold waits for that
+        # layer's ``decode_attention`` (one launch with the append); see ``write_kv``
+        self._folds: list = [None] * L
         self._no_tensor = torch.empty(0, dtype=torch.int64)   # the device fields of a replay step (none)
 
     @staticmethod
@@ -425,6 +428,11 @@ class OasisSparseKV:
         the host tier now. Decode tokens (``decode=True``, one per request) go to the working
         set in ``decode_attention`` and reach the host tier as whole blocks once their block is
         complete (4 KiB pieces instead of 256 B ones; the partial block is always resident).
+        Their fold is deferred to that layer's ``decode_attention``, which does it in the
+        launch of its append (``ops.append_tokens(fold=...)``: one launch per sparse layer and
+        step fewer); any other engine call first does a deferred fold on its own (the same
+        result). The decode token's block is always resident and forced (``recent_blocks >=
+        1``), so no selection of this step reads its summary before the fold.
 
         Raises:
             ValueError: a dense or unknown layer; mismatched shapes.
@@ -434,10 +442,30 @@ class OasisSparseKV:
             raise ValueError(f"write_kv: loc {tuple(loc.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: "
                              f"want loc [N], k [N, {self.head_num}, {self.head_dim}], v [N, {self.head_num}, {self.v_head_dim}]")
         self.pipe.wait(li)       # a prefetch of this layer may still read the summaries / host tier
+        self._flush_fold(li)     # an earlier decode write of this layer that no attention consumed
+        k, v = k.view(-1, self.head_num, self.head_dim), v.view(-1, self.head_num, self.v_head_dim)
+        if decode:
+            self._folds[li] = (loc, k, v)
+            return
         s = self.summaries
-        self.ops.write_kv(self.host.k[li], self.host.v[li], s.kmin[li], s.kmax[li], loc,
-                          k.view(-1, self.head_num, self.head_dim), v.view(-1, self.head_num, self.v_head_dim),
-                          self.bs, one_token_each=decode, write_host=not decode)
+        self.ops.write_kv(self.host.k[li], self.host.v[li], s.kmin[li], s.kmax[li], loc, k, v, self.bs)
+
+    def _flush_fold(self, li: int) -> None:
+        """The deferred summary fold of sparse layer ``li``'s last decode write, on its own
+        (``ops.write_kv`` as an undeferred decode write would have run it), if one is pending."""
+        f = self._folds[li]
+        if f is None:
+            return
+        self._folds[li] = None
+        s = self.summaries
+        self.ops.write_kv(self.host.k[li], self.host.v[li], s.kmin[li], s.kmax[li], f[0], f[1], f[2], self.bs,
+                          one_token_each=True, write_host=False)
+
+    def _flush_folds(self) -> None:
+        """Every sparse layer's pending fold (``_flush_fold``)."""
+        for li, f in enumerate(self._folds):
+            if f is not None:
+                self._flush_fold(li)
 
     # ---- prefill --------------------------------------------------------------------------
     def extend_attention(self, layer_id: int, q: torch.Tensor, rows: torch.Tensor, prefix_lens: torch.Tensor,
@@ -458,6 +486,7 @@ class OasisSparseKV:
                 before any state changes).
         """
         li = self._sparse_index(layer_id, "extend_attention")
+        self._flush_folds()
         rows_c, pre_c, ext_c = rows.tolist(), prefix_lens.tolist(), extend_lens.tolist()
         if not len(rows_c) == len(pre_c) == len(ext_c):
             raise ValueError(f"extend_attention: {len(rows_c)} rows, {len(pre_c)} prefix_lens, {len(ext_c)} extend_lens")
@@ -613,6 +642,7 @@ class OasisSparseKV:
                 without them (eager) the values are checked with one device read.
         """
         what = "begin_decode_step"
+        self._flush_folds()                       # decode writes no attention consumed (none in SGLang)
         try:
             mode = StepMode(mode)
         except ValueError:
@@ -906,6 +936,11 @@ class OasisSparseKV:
                 raise ValueError("decode_attention: q_draft, k_draft and v_draft go together")
             for name, x, w in zip(("q_draft", "k_draft", "v_draft"), drafts, ((B, Hq, D), (B, H, D), (B, H, Dv))):
                 check_rows(x, w, name)
+        fold, self._folds[li] = self._folds[li], None      # this layer's decode write (``write_kv``)
+        if fold is not None and fold[0].shape[0] != B:       # not this batch's: fold it on its own
+            self._folds[li] = fold
+            self._flush_fold(li)
+            fold = None
         if B == 0:
             return q.new_empty((0, q.shape[1], self.v_head_dim) if q_draft is None else (0, 2, q.shape[1], self.v_head_dim))
         if st.seq_m1 is None:
@@ -921,7 +956,9 @@ class OasisSparseKV:
         self.ops.append_tokens(self.ws.k[li], self.ws.v[li], self.ws.ids[li], rows, st.seq_m1,
                                k_new.view(B, self.head_num, self.head_dim), v_new.view(B, self.head_num, self.v_head_dim),
                                self.host.k[li], self.host.v[li], rtt, self.ws.violations, self.counters[li],
-                               skip_row=self.padding_row)
+                               skip_row=self.padding_row,
+                               fold=None if fold is None else (self.summaries.kmin[li], self.summaries.kmax[li],
+                                                               fold[0], fold[1]))
         if q_draft is None:
             qq, kx, vx = q.view(B, 1, q.shape[1], q.shape[2]), None, None
         else:

@@ -166,7 +166,7 @@ class BaseKVOps:
         raise NotImplementedError
 
     def append_tokens(self, ws_k, ws_v, ids, rows, pos, k, v, host_k, host_v, req_to_token, violations,
-                      counters, skip_row: int | None = None) -> None:
+                      counters, skip_row: int | None = None, fold=None) -> None:
         """Decode step 5 of one layer: each new token into its resident block's slot, and every
         block the token completes written back to the host tier (where the full KV cache lives).
 
@@ -181,6 +181,11 @@ class BaseKVOps:
             counters: ``[4]`` int64: ``counters[3]`` += blocks written back.
             skip_row: a CUDA-graph padding row: its tokens are written (to its own slots) but
                 never counted or written back.
+            fold: ``(kmin [P, H, D], kmax [P, H, D], loc [B], k [B, H, D])`` or ``None``: also fold
+                each row's key into its block's summary, exactly as ``write_kv(host_k, host_v,
+                kmin, kmax, loc, k, v, bs, one_token_each=True, write_host=False)`` (every row,
+                the padding row's too), in the same launch (``OasisSparseKV.write_kv`` with
+                ``decode=True`` defers its fold to here).
         No host sync; one D2H piece of ``bs * (D + Dv)`` elements per completed (request, KV head).
         """
         raise NotImplementedError
@@ -341,9 +346,13 @@ class TorchKVOps(BaseKVOps):
                 (dst_s >= 0).sum(-1).view(B * H).to(torch.int32))
 
     def append_tokens(self, ws_k, ws_v, ids, rows, pos, k, v, host_k, host_v, req_to_token, violations,
-                      counters, skip_row=None):
-        """Reference: find the slot by a ``[B, H, K]`` match, masked scatter, then ``copy_blocks`` D2H."""
+                      counters, skip_row=None, fold=None):
+        """Reference: ``write_kv``'s summary fold (with ``fold``), then find the slot by a
+        ``[B, H, K]`` match, masked scatter, then ``copy_blocks`` D2H."""
         R, H, K, bs, D = ws_k.shape
+        if fold is not None:
+            kmin, kmax, floc, fk = fold
+            self.write_kv(host_k, host_v, kmin, kmax, floc, fk, v, bs, one_token_each=True, write_host=False)
         P = host_k.shape[1]
         blk = (pos // bs)[:, None, None]
         hit = ids[rows] == blk                                          # [B, H, K]

@@ -45,6 +45,38 @@ def _run_request(eng, layer, row, n_prompt, n_decode, Hq, rt, free_locs, dtype=t
     return pre, outs, Q, K, V
 
 
+@pytest.mark.parametrize("predictor", ["current", "previous"])
+def test_decode_writes_fold_their_keys_into_the_block_summaries(seed, predictor):
+    """``write_kv(decode=True)`` defers the summary fold to the layer's ``decode_attention`` (one
+    launch with the append). After prefill and decode steps every block's summary is exactly the
+    coordinate-wise min / max of its tokens' keys (Quest Sec. 3); a decode write that no
+    attention consumes is folded by the next engine call (here a second write of the layer, and
+    a step's begin), never lost."""
+    eng = _engine(budget=16, predictor=predictor)
+    layer, li, row, n_prompt, n = 1, 0, 2, 13, 27
+    rt = torch.zeros(4, 256, dtype=torch.int32)
+    locs = _paged_locs(n)
+    rt[row, :n] = locs
+    H, D = eng.head_num, eng.head_dim
+    K, V, Q = torch.randn(n, H, D), torch.randn(n, H, D), torch.randn(n, 6, D)
+    eng.write_kv(layer, locs[:n_prompt], K[:n_prompt], V[:n_prompt])
+    eng.extend_attention(layer, Q[:n_prompt], torch.tensor([row]), torch.tensor([0]), torch.tensor([n_prompt]),
+                         rt, None)
+    for t in range(n_prompt, n - 2):
+        eng.begin_decode_step(torch.tensor([row]), torch.tensor([t + 1]), rt)
+        eng.write_kv(layer, locs[t:t + 1], K[t:t + 1], V[t:t + 1], decode=True)
+        eng.decode_attention(layer, Q[t:t + 1], K[t:t + 1], V[t:t + 1], None)
+    # two decode writes of the layer without attention, then a step's begin
+    eng.write_kv(layer, locs[n - 2:n - 1], K[n - 2:n - 1], V[n - 2:n - 1], decode=True)
+    eng.write_kv(layer, locs[n - 1:n], K[n - 1:n], V[n - 1:n], decode=True)
+    eng.begin_decode_step(torch.tensor([row]), torch.tensor([n]), rt)
+    bs = eng.bs
+    for p in (locs // bs).unique().tolist():
+        tok = (locs // bs == p).nonzero().flatten()
+        assert torch.equal(eng.summaries.kmin[li][p], K[tok].amin(0)), p
+        assert torch.equal(eng.summaries.kmax[li][p], K[tok].amax(0)), p
+
+
 def test_prefill_equals_dense_causal_attention(seed):
     eng = _engine(budget=64)
     rt = torch.zeros(4, 256, dtype=torch.int32)

@@ -92,8 +92,10 @@ def test_copy_blocks_moves_fp8_pieces_exactly(seed, kv):
     assert same(dk, want_k) and same(dv, want_v)
 
 
+@pytest.mark.parametrize("fold", [False, True], ids=["append", "append+fold"])
 @pytest.mark.parametrize("kv", FP8)
-def test_append_tokens_fp8_equals_reference_exactly(seed, kv):
+def test_append_tokens_fp8_equals_reference_exactly(seed, kv, fold):
+    """``fold``: the keys folded into bf16 summaries as the fp8 tier holds them (rounded)."""
     R, H, K, bs, D, Dv, P = 4, 2, 4, 8, 16, 8, 40
     ids = torch.stack([torch.randperm(8)[:K] for _ in range(R * H)]).view(R, H, K).to(DEV)
     rows = torch.tensor([1, 3, 2], device=DEV)
@@ -109,8 +111,11 @@ def test_append_tokens_fp8_equals_reference_exactly(seed, kv):
         ws_v = torch.randn(R, H, K, bs, Dv, generator=g).to(kv).to(DEV)
         hk, hv = host((H, P, bs, D), kv).zero_(), host((H, P, bs, Dv), kv).zero_()
         viol, ctr = torch.zeros((), dtype=torch.int64, device=DEV), torch.zeros(4, dtype=torch.int64, device=DEV)
-        fn(ws_k, ws_v, ids, rows, pos, k, v, hk, hv, rtt, viol, ctr)
-        states.append((ws_k, ws_v, hk, hv, viol, ctr))
+        kmin = torch.randn(P, H, D, generator=g).to(torch.bfloat16).to(DEV)
+        kmax = (kmin.float() + 1).to(torch.bfloat16)
+        fn(ws_k, ws_v, ids, rows, pos, k, v, hk, hv, rtt, viol, ctr,
+           fold=(kmin, kmax, rtt[rows, pos].long(), k) if fold else None)
+        states.append((ws_k, ws_v, hk, hv, viol, ctr, kmin, kmax))
     if CUDA:
         torch.cuda.synchronize()
     for a, b in zip(*states):

@@ -614,10 +614,13 @@ def test_large_working_sets_take_the_reference_paths(seed, monkeypatch):
 
 
 # ---- 7. decoded tokens into the working set + write-back ------------------------------------------
+@pytest.mark.parametrize("fold", [False, True], ids=["append", "append+fold"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_append_tokens_equals_reference_exactly(seed, dtype):
+def test_append_tokens_equals_reference_exactly(seed, dtype, fold):
     """Tokens at every block offset (the last ones complete a block and are written back), a token
-    whose block is not resident (a violation: written nowhere), and a padding row."""
+    whose block is not resident (a violation: written nowhere), and a padding row. ``fold``: the
+    same launch folds the keys into their blocks' summaries (kernel 1's decode fold: a token at
+    block offset 0 starts its block's summary, the others are folded in), every row included."""
     R, H, K, bs, D, Dv = 5, 2, 4, 8, 16, 8
     rtt, P = layout([K * 2 * bs] * R, bs)
     rtt = rtt.to(DEV)
@@ -635,13 +638,25 @@ def test_append_tokens_equals_reference_exactly(seed, dtype):
         hk = host_tensor((H, P, bs, D), dtype).zero_()
         hv = host_tensor((H, P, bs, Dv), dtype).zero_()
         viol, ctr = torch.zeros((), dtype=torch.int64, device=DEV), torch.zeros(4, dtype=torch.int64, device=DEV)
-        fn(ws_k, ws_v, ids, rows, pos, k, v, hk, hv, rtt, viol, ctr, skip_row=0)
-        states.append((ws_k, ws_v, hk, hv, viol, ctr))
+        g = torch.Generator().manual_seed(3)
+        kmin = torch.randn(P, H, D, generator=g).to(dtype).to(DEV)
+        kmax = (kmin.float() + torch.rand(P, H, D, generator=g).to(DEV)).to(dtype)
+        floc = rtt[rows, pos].long()
+        fn(ws_k, ws_v, ids, rows, pos, k, v, hk, hv, rtt, viol, ctr, skip_row=0,
+           fold=(kmin, kmax, floc, k) if fold else None)
+        states.append((ws_k, ws_v, hk, hv, viol, ctr, kmin, kmax))
     if CUDA:
         torch.cuda.synchronize()
     for a, b in zip(*states):
         assert torch.equal(a.cpu(), b.cpu())
-    ws_k, _, hk, _, viol, ctr = states[1]
+    ws_k, _, hk, _, viol, ctr, kmin, kmax = states[1]
+    page_d = (rtt[rows, pos].long() // bs).cpu()
+    start = (pos % bs == 0).cpu()
+    if fold:          # the token starting its block (the padding row's) is its block's whole summary
+        assert start.any() and torch.equal(kmin.cpu()[page_d[start]], k.cpu()[start])
+        assert bool((kmin.cpu()[page_d] <= k.cpu()).all()) and bool((kmax.cpu()[page_d] >= k.cpu()).all())
+    else:
+        assert not torch.equal(kmin.cpu()[page_d[start]], k.cpu()[start]), "no fold: summaries untouched"
     n_bad = sum(int(not (ids[int(r), h] == int(p) // bs).any()) for r, p in zip(rows.tolist(), pos.tolist())
                 for h in range(H) if int(r) != 0)
     assert int(viol) == n_bad

@@ -31,8 +31,10 @@ def test_decode_step_launches_and_host_syncs(tmp_path, mode):
     res = json.loads((tmp_path / "launches.json").read_text())
     assert res["steady"], "every counted step launches the same kernels"
     assert res["syncs"] == {}, f"host reads on the decode path: {res['syncs']}"
-    assert res["per_sparse_layer"] <= 13, res["ops"]
+    assert res["per_sparse_layer"] <= 12, res["ops"]
     for k in ("triton._plan_transfer_kernel", "triton._append_tokens_kernel", "triton._copy_rows_kernel",
               "triton._budget_candidates_kernel", "triton._share_budget_kernel"):
         assert res["ops"][k] == 3, (k, res["ops"])
+    # the decode token's summary fold runs in the append's launch (kernel 7 with ``fold``)
+    assert "triton._write_kv_kernel" not in res["ops"], res["ops"]
     assert (tmp_path / "launches.md").read_text().startswith("# Kernel launches")
