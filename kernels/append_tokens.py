@@ -26,6 +26,7 @@ import triton.language as tl
 from oasis_sglang.core.ops import TorchKVOps
 
 from ._common import check_range, checks_enabled, kernel_arg, next_pow2
+from .write_kv import fold_summary_row
 
 reference = TorchKVOps().append_tokens
 
@@ -85,14 +86,7 @@ def _append_tokens_kernel(WsK, WsV, Ids, Rows, Pos, Kn, Vn, HostK, HostV, ReqToT
         loc = tl.load(FoldLoc + b).to(tl.int64)
         kf = tl.load(FoldK + b.to(tl.int64) * stride_fk_b + h * stride_fk_h + d, mask=dm, other=0.0)
         kc = kf.to(HostK.dtype.element_ty).to(Kmin.dtype.element_ty).to(tl.float32)
-        srow = (loc // BS) * stride_s_p + h * D + d
-        cont = dm & (loc % BS > 0)
-        lo = tl.minimum(kc, tl.load(Kmin + srow, mask=cont, other=float("inf")).to(tl.float32),
-                        propagate_nan=tl.PropagateNan.ALL)
-        hi = tl.maximum(kc, tl.load(Kmax + srow, mask=cont, other=float("-inf")).to(tl.float32),
-                        propagate_nan=tl.PropagateNan.ALL)
-        tl.store(Kmin + srow, lo.to(Kmin.dtype.element_ty), mask=dm)
-        tl.store(Kmax + srow, hi.to(Kmax.dtype.element_ty), mask=dm)
+        fold_summary_row(Kmin, Kmax, (loc // BS) * stride_s_p + h * D + d, kc, kc, dm, dm & (loc % BS > 0))
 
 
 def append_tokens(ws_k, ws_v, ids, rows, pos, k, v, host_k, host_v, req_to_token, violations, counters,

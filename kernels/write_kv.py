@@ -66,8 +66,15 @@ def _write_kv_kernel(HostK, HostV, Kmin, Kmax, K, V, SegPage, SegOff, SegSrc, Se
     nan = tl.max(tl.where(m & (kc != kc), 1, 0), axis=0) > 0     # NaN propagates, as torch.amin does
     lo = tl.where(nan, float("nan"), lo)
     hi = tl.where(nan, float("nan"), hi)
-    srow = page * stride_s_p + h * D + d
-    cont = dm & (off0 > 0)          # continuing a block: fold into its current summary
+    # continuing a block (offset > 0): fold into its current summary
+    fold_summary_row(Kmin, Kmax, page * stride_s_p + h * D + d, lo, hi, dm, dm & (off0 > 0))
+
+
+@triton.jit
+def fold_summary_row(Kmin, Kmax, srow, lo, hi, dm, cont):
+    """Store one (block, KV head) summary row at offsets ``srow`` (mask ``dm``): ``lo`` / ``hi``
+    (fp32 ``[BLOCK_D]``), first folded into the stored row where ``cont`` (the block already has
+    tokens); NaN propagates. Shared by kernel 1 and kernel 7's decode fold."""
     lo = tl.minimum(lo, tl.load(Kmin + srow, mask=cont, other=float("inf")).to(tl.float32),
                     propagate_nan=tl.PropagateNan.ALL)
     hi = tl.maximum(hi, tl.load(Kmax + srow, mask=cont, other=float("-inf")).to(tl.float32),
