@@ -462,7 +462,10 @@ class OasisSparseKV:
                           one_token_each=True, write_host=False)
 
     def _flush_folds(self) -> None:
-        """Every sparse layer's pending fold (``_flush_fold``)."""
+        """Every sparse layer's pending fold (``_flush_fold``; nothing to do, the usual case, costs
+        one C-level scan of the list per step)."""
+        if not any(self._folds):
+            return
         for li, f in enumerate(self._folds):
             if f is not None:
                 self._flush_fold(li)
