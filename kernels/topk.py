@@ -266,8 +266,9 @@ def topk_from_keys(keys: torch.Tensor, k: int, fused: bool | None = None,
     launch's warps per row (default ``select_warps``). The same result as ``torch.topk(keys, k,
     sorted=True)`` followed by the decode (the keys are distinct, so the order is total); on the
     H200 ``torch.topk`` on int64 keys ran a 32-pass radix select per row (``sbtopk``, ~73 us per
-    layer at 32 x 8 rows of 2,561) and its own sort. Larger rows or ``k`` take that path (``fused=False`` forces it, ``True``
-    forbids it: ``ValueError`` when the row or ``k`` is too large).
+    layer at 32 x 8 rows of 2,561) and its own sort. Larger rows or ``k`` take that path
+    (``fused=False`` forces it, ``True`` forbids it: ``ValueError`` when the row or ``k`` is too
+    large).
 
     The keys must be ``block_keys`` output: distinct, with the block id in the low half (the
     fused path decodes it from there, the ``torch.topk`` path from the position). Duplicate keys
