@@ -18,7 +18,9 @@ one after the other on the same GPU. ``python -m sglang.bench_serving`` sends th
 * output tok/s, median TPOT and TTFT: from ``bench_serving`` (they include the prefill);
 * for oasis, from its ``OasisKV decode`` lines: H2D MB per decode step and GB/s at that step
   time and the admitted pieces per (request, sparse layer, KV head) per step, all from the steps
-  at the most running (``oasis_figures``), hit rate, decode steps replayed from CUDA graphs.
+  at the most running (``oasis_figures``), hit rate, decode steps replayed from CUDA graphs;
+* the HBM bytes the step reads at least (weights and the KV it attends over, ``bench/roofline.py``)
+  and the bandwidth and fraction of the GPU's peak that the step time gives (``hbm_figures``).
 
 Suites (``all``: throughput, concurrency, context, short, stall; ``plan()`` says exactly what
 each runs). The throughput / context runs of one system share one server (``server_groups``;
@@ -62,7 +64,7 @@ from ..argtypes import positive_float, positive_int
 from ..config import OasisConfig
 from ..sglang_glue.log_line import parse_decode_counters
 from ..testing.launch import launch, oasis_args
-from . import profile_trace
+from . import profile_trace, roofline
 
 DECODE = re.compile(r"Decode batch.*?#running-req: (\d+).*?gen throughput \(token/s\): ([\d.]+)")
 SERVING = {"output_tok_s": r"Output token throughput \(tok/s\):\s+([\d.]+)",
@@ -524,12 +526,32 @@ def run_one(run: Run, a, out: Path, srv=None) -> dict:
         ol = [l for l in log.splitlines() if "OasisKV decode:" in l]
         res["oasis_line"] = ol[-1].split("OasisKV decode: ", 1)[-1] if ol else None
         res.update(oasis_figures(ol, res["step_ms"], top, kv_heads_of(os.environ["M"])))
+        res.update(hbm_figures(run, top, res["step_ms"], a.budget, roofline.ModelShape.from_config(os.environ["M"]),
+                               gpu_name()))
         return res
     except Exception as e:  # noqa: BLE001
         return {**base, "error": f"{e.__class__.__name__}: {str(e)[:500]}"}
     finally:
         if own:
             srv.stop()
+
+
+def hbm_figures(run: Run, running: int, step_ms: float | None, budget: int, shape, gpu: str) -> dict:
+    """The HBM bytes of the step at ``running`` requests and the bandwidth it reached
+    (``bench/roofline.py``): ``hbm_gb_per_step`` (the lower bound, GB), ``hbm_tb_s``,
+    ``hbm_of_peak`` (``None`` for a GPU whose peak is not in the table). The context is the
+    prompt plus half the output (the decode's mean); OasisKV's block size and dense layers are
+    the config's defaults (what bench_oasis runs). Empty without a step time or a readable
+    ``config.json``; a ``-eagle3`` system's draft model is not counted."""
+    if not step_ms or not running or shape is None:
+        return {}
+    d = OasisConfig()
+    kvb = 1 if run.kv_dtype.startswith("fp8") else 2
+    b = roofline.step_hbm_bytes(shape, "dense" if run.system.startswith("dense") else "oasis", running,
+                                run.input_len + run.output_len // 2, kv_bytes=kvb, budget=budget,
+                                block=d.block_size, dense_layers=len(d.dense_layers))
+    tb_s, frac = roofline.reached(b["total"], step_ms, gpu)
+    return {"hbm_gb_per_step": b["total"] / 1e9, "hbm_tb_s": tb_s, "hbm_of_peak": frac}
 
 
 def _f(x, p=1):
@@ -601,6 +623,16 @@ def tables(results: list[dict], a) -> str:
                       f"{_f(r.get('h2d_mb_per_step'))}{'' if r.get('h2d_basis', 'most running') == 'most running' else ' (all steps)'} | "
                       f"{_f(r.get('h2d_gb_s'), 2)} | {_f(r.get('admitted_per_head_step'), 2)} | {_f(r.get('hit_rate'), 3)} | "
                       f"{'-' if ratio is None else f'{ratio:.2f}x'} |")
+        md.append("")
+    hbm = [r for r in results if "error" not in r and isinstance(r.get("hbm_gb_per_step"), (int, float))
+           and isinstance(r.get("hbm_tb_s"), (int, float))]
+    if hbm:
+        md += ["### HBM bandwidth reached (bench/roofline.py: weights + the KV the step reads, a lower bound)", "",
+               "| run | most running | GB per step | TB/s | of the GPU's peak |", "|---|---|---|---|---|"]
+        for r in hbm:
+            frac = r.get("hbm_of_peak")
+            md.append(f"| {r['key']} | {r.get('max_running')} | {r['hbm_gb_per_step']:.1f} | {r['hbm_tb_s']:.2f} | "
+                      f"{'-' if not isinstance(frac, (int, float)) else f'{100 * frac:.0f}%'} |")
         md.append("")
     st = next((r for r in results if r["key"] == "stall/16384/oasis-no-transfer" and r.get("step_ms")), None)
     base_run = by.get("throughput/16384/oasis")
@@ -710,7 +742,7 @@ def load_results(jpath: Path) -> tuple[list[dict], dict]:
 # result fields the tables and plots format as numbers (load_results checks them)
 NUMERIC_FIELDS = ("input_len", "output_len", "batch", "fetch_cap", "max_running", "decode_tok_s", "step_ms",
                   "output_tok_s", "median_tpot_ms", "median_ttft_ms", "h2d_mb_per_step", "h2d_gb_s", "hit_rate",
-                  "admitted_per_head_step")
+                  "admitted_per_head_step", "hbm_gb_per_step", "hbm_tb_s", "hbm_of_peak")
 RUN_FIELDS = ("system", "input_len", "output_len", "batch", "pool", "fetch_cap", "host_requests", "churn", "kv_dtype")
 RUN_DEFAULTS = {"kv_dtype": "auto"}      # fields results stored before the field existed were measured with
 

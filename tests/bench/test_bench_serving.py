@@ -619,3 +619,83 @@ def test_profile_traces_are_deleted_unless_kept(tmp_path, monkeypatch, value, ke
     assert not any(t.exists() for t in traces)
     assert (tmp_path / "trace_run_a-TP-0.trace.json.gz").exists() == kept
     assert not (tmp_path / "trace_run_a-TP-1.trace.json.gz").exists()
+
+
+QWEN3_8B = {"num_hidden_layers": 36, "hidden_size": 4096, "intermediate_size": 12288, "vocab_size": 151936,
+            "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128}
+
+
+def test_roofline_counts_the_bytes_each_system_reads(tmp_path):
+    """bench/roofline.py against the arithmetic written out: Qwen3-8B's weights, dense SGLang's
+    whole KV cache, OasisKV's working sets + dense layers + key summaries (none on the dense path)."""
+    import json
+
+    from oasis_sglang.bench import roofline
+
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_8B))
+    s = roofline.ModelShape.from_config(tmp_path)
+    per_layer = 4096 * 128 * (2 * 32 + 2 * 8) + 3 * 4096 * 12288            # q, k, v, o + gate, up, down
+    assert s.weight_bytes() == 2 * (36 * per_layer + 151936 * 4096)
+    kv_token_layer = 8 * 128 * 2 * 2                                       # K and V, bf16: 4 KiB
+    d = roofline.step_hbm_bytes(s, "dense", 22, 16512)
+    assert d["kv"] == 22 * 36 * 16512 * kv_token_layer and d["working_sets"] == d["summaries"] == 0
+    o = roofline.step_hbm_bytes(s, "oasis", 40, 16512)
+    assert o["working_sets"] == 40 * 34 * 2048 * kv_token_layer
+    assert o["dense_layers"] == 40 * 2 * 16512 * kv_token_layer
+    assert o["summaries"] == 40 * 34 * 8 * 1032 * (2 * 128 * 2)             # ceil(16512 / 16) blocks, min + max
+    assert o["total"] == o["weights"] + o["working_sets"] + o["dense_layers"] + o["summaries"] and o["kv"] == 0
+    assert round(o["total"] / 1e9, 2) == 37.70 and round(d["total"] / 1e9, 2) == 68.70   # the run file's figures
+    short = roofline.step_hbm_bytes(s, "oasis", 8, 1152)                     # fits the working set: dense path
+    assert short["summaries"] == 0 and short["working_sets"] == 8 * 34 * 1152 * kv_token_layer
+    assert roofline.step_hbm_bytes(s, "oasis", 8, 2048)["summaries"] > 0, "2048 + the next token overflow 2048"
+    fp8 = roofline.step_hbm_bytes(s, "dense", 22, 16512, kv_bytes=1)
+    assert fp8["kv"] * 2 == d["kv"] and fp8["weights"] == d["weights"]
+    tb_s, frac = roofline.reached(o["total"], 17.06, "NVIDIA H100 80GB HBM3")
+    assert tb_s == pytest.approx(2.2098, rel=1e-3) and frac == pytest.approx(tb_s / 3.35)
+    assert roofline.reached(o["total"], 17.06, "NVIDIA H200")[1] == pytest.approx(tb_s / 4.8)
+    assert roofline.reached(o["total"], 17.06, "no GPU")[1] is None
+    with pytest.raises(ValueError, match="dense_layers 40"):
+        roofline.step_hbm_bytes(s, "oasis", 1, 100, dense_layers=40)
+    with pytest.raises(ValueError, match="block 0"):
+        roofline.step_hbm_bytes(s, "oasis", 1, 100, block=0)
+
+
+def test_roofline_reads_no_shape_it_cannot_count(tmp_path):
+    import json
+
+    from oasis_sglang.bench import roofline
+
+    (tmp_path / "config.json").write_text(json.dumps({**QWEN3_8B, "num_experts": 128}))
+    assert roofline.ModelShape.from_config(tmp_path) is None, "a MoE step does not read every expert"
+    (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in QWEN3_8B.items() if k != "intermediate_size"}))
+    assert roofline.ModelShape.from_config(tmp_path) is None
+    (tmp_path / "config.json").write_text("not json")
+    assert roofline.ModelShape.from_config(tmp_path) is None and roofline.ModelShape.from_config(tmp_path / "x") is None
+    (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in QWEN3_8B.items() if k != "head_dim"}))
+    assert roofline.ModelShape.from_config(tmp_path).head_dim == 128, "hidden_size / heads"
+
+
+def test_tables_give_the_hbm_bandwidth_each_run_reached(bench, tmp_path):
+    import json
+
+    from oasis_sglang.bench import roofline
+
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_8B))
+    shape = roofline.ModelShape.from_config(tmp_path)
+    run = bench.Run("context/16384/oasis", "oasis", 16384, 256, 40)
+    f = bench.hbm_figures(run, 40, 17.06, 2048, shape, "NVIDIA H100 80GB HBM3")
+    assert f["hbm_gb_per_step"] == pytest.approx(37.70, abs=0.005)
+    assert f["hbm_of_peak"] == pytest.approx(0.66, abs=0.005)
+    dense = bench.Run("context/16384/dense", "dense", 16384, 256, 22, pool="80gb")
+    fd = bench.hbm_figures(dense, 22, 25.11, 2048, shape, "NVIDIA H100 80GB HBM3")
+    assert fd["hbm_tb_s"] == pytest.approx(2.736, abs=0.001)
+    assert bench.hbm_figures(run, 40, None, 2048, shape, "x") == {}, "no step time"
+    assert bench.hbm_figures(run, 40, 17.0, 2048, None, "x") == {}, "no model shape"
+    assert bench.hbm_figures(run, 40, 17.06, 2048, shape, "no GPU")["hbm_of_peak"] is None
+    res = [{"key": "context/16384/dense", "system": "dense", "decode_tok_s": 876.2, "max_running": 22, **fd},
+           {"key": "context/16384/oasis", "system": "oasis", "decode_tok_s": 2344.2, "max_running": 40, **f},
+           {"key": "context/32768/oasis", "system": "oasis", "decode_tok_s": 1.0, "max_running": 20}]
+    md = bench.tables(res, _args(bench))
+    assert "| context/16384/oasis | 40 | 37.7 | 2.21 | 66% |" in md
+    assert "| context/16384/dense | 22 | 68.7 | 2.74 | 82% |" in md
+    assert "context/32768/oasis | 20 |" not in md.split("### HBM")[1], "a run without the figures has no row"
