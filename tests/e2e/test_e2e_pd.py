@@ -25,10 +25,11 @@ pytestmark = pytest.mark.e2e
 PD = ["--disaggregation-transfer-backend", "nixl"]
 
 
-def start_router(prefill_url: str, bootstrap: int, decode_url: str, timeout: float = 600):
+def start_router(prefill_url: str, bootstrap: int, decode_url: str, timeout: float = 600, retries: bool = True):
     """sglang-router in PD mode; returns ``(url, process)`` once a one-token request through it
     answers 200 (its ``/health`` is 200 before it has registered the workers: "Router ready |
-    workers: []", and requests then get 503)."""
+    workers: []", and requests then get 503). ``retries=False``: ``--disable-retries`` (a failed
+    request's error reaches the client instead of the router sending it again)."""
     port = free_port()
     log = open(OUT / "pd_router.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
@@ -39,7 +40,8 @@ def start_router(prefill_url: str, bootstrap: int, decode_url: str, timeout: flo
                              "--health-check-timeout-secs", "120", "--health-failure-threshold", "5",
                              "--health-check-interval-secs", "15",
                              # its metrics take 29000 unless told: another router on the host must not stop it
-                             "--prometheus-port", str(free_port())], stdout=log, stderr=subprocess.STDOUT,
+                             "--prometheus-port", str(free_port())] + ([] if retries else ["--disable-retries"]),
+                            stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     t0 = time.time()
