@@ -19,6 +19,8 @@ one after the other on the same GPU. ``python -m sglang.bench_serving`` sends th
 * for oasis, from its ``OasisKV decode`` lines: H2D MB per decode step and GB/s at that step
   time and the admitted pieces per (request, sparse layer, KV head) per step, all from the steps
   at the most running (``oasis_figures``), hit rate, decode steps replayed from CUDA graphs;
+* for oasis, the host link rate its server measured at start-up (its ``"auto"`` step budget
+  follows it, so the traffic figures depend on it);
 * the HBM bytes the step reads at least (weights and the KV it attends over, ``bench/roofline.py``)
   and the bandwidth and fraction of the GPU's peak that the step time gives (``hbm_figures``).
 
@@ -525,6 +527,7 @@ def run_one(run: Run, a, out: Path, srv=None) -> dict:
         res["step_ms"] = 1e3 * top / res["decode_tok_s"] if res["decode_tok_s"] else None
         ol = [l for l in log.splitlines() if "OasisKV decode:" in l]
         res["oasis_line"] = ol[-1].split("OasisKV decode: ", 1)[-1] if ol else None
+        res["link_gb_s"] = link_rate(srv.log())     # the start-up line (before ``offset`` on a shared server)
         res.update(oasis_figures(ol, res["step_ms"], top, kv_heads_of(os.environ["M"])))
         res.update(hbm_figures(run, top, res["step_ms"], a.budget, roofline.ModelShape.from_config(os.environ["M"]),
                                gpu_name()))
@@ -534,6 +537,19 @@ def run_one(run: Run, a, out: Path, srv=None) -> dict:
     finally:
         if own:
             srv.stop()
+
+
+LINK = re.compile(r"OasisKV: transfer budget \S+: admission copies measured at ([\d.]+) GB/s host to device")
+
+
+def link_rate(log: str) -> float | None:
+    """The host link rate (GB/s) the oasis server measured at start-up for its ``"auto"`` step
+    budget (``sglang_glue/install.py``'s line; the last one when the log holds several), or
+    ``None`` (dense, a fixed budget, or no CUDA). The same command admits different bytes on
+    hosts whose links differ (25.4 vs 48.3 GB/s on two H100 instances, 2026-12-06): traffic
+    figures carry it."""
+    m = LINK.findall(log)
+    return float(m[-1]) if m else None
 
 
 def hbm_figures(run: Run, running: int, step_ms: float | None, budget: int, shape, gpu: str) -> dict:
@@ -601,8 +617,8 @@ def tables(results: list[dict], a) -> str:
     # "H2D GB/s over the step": the step's admitted bytes over the whole step time (how much of the
     # step the link would be busy at that rate), not the copy kernels' own rate (a profile gives it)
     head = ("| run | most running | decode tok/s | step ms | output tok/s | TPOT ms | TTFT s | H2D MB/step | H2D GB/s over the step | "
-            "admitted / (req, layer, head) / step | hit rate | vs dense |")
-    sep = "|---|---|---|---|---|---|---|---|---|---|---|---|"
+            "admitted / (req, layer, head) / step | hit rate | vs dense | host link GB/s (start-up) |")
+    sep = "|---|---|---|---|---|---|---|---|---|---|---|---|---|"
     for suite in ("throughput", "context", "fetch-cap", "short", "stall", "paired"):
         rows = suite_rows(results, suite)
         if not rows:
@@ -611,7 +627,7 @@ def tables(results: list[dict], a) -> str:
         for r in rows:
             if "error" in r:
                 err = " ".join(str(r["error"]).split())[:150].replace("|", "/")
-                md.append(f"| {r['key']} | failed: {err} |" + " |" * 10)
+                md.append(f"| {r['key']} | failed: {err} |" + " |" * 11)
                 continue
             dense = _dense_of(r, by)
             ratio = (r["decode_tok_s"] / dense["decode_tok_s"]
@@ -622,7 +638,7 @@ def tables(results: list[dict], a) -> str:
                       f"{_f((r.get('median_ttft_ms') or 0) / 1e3 if r.get('median_ttft_ms') else None)} | "
                       f"{_f(r.get('h2d_mb_per_step'))}{'' if r.get('h2d_basis', 'most running') == 'most running' else ' (all steps)'} | "
                       f"{_f(r.get('h2d_gb_s'), 2)} | {_f(r.get('admitted_per_head_step'), 2)} | {_f(r.get('hit_rate'), 3)} | "
-                      f"{'-' if ratio is None else f'{ratio:.2f}x'} |")
+                      f"{'-' if ratio is None else f'{ratio:.2f}x'} | {_f(r.get('link_gb_s'))} |")
         md.append("")
     hbm = [r for r in results if "error" not in r and isinstance(r.get("hbm_gb_per_step"), (int, float))
            and isinstance(r.get("hbm_tb_s"), (int, float))]
@@ -742,7 +758,7 @@ def load_results(jpath: Path) -> tuple[list[dict], dict]:
 # result fields the tables and plots format as numbers (load_results checks them)
 NUMERIC_FIELDS = ("input_len", "output_len", "batch", "fetch_cap", "max_running", "decode_tok_s", "step_ms",
                   "output_tok_s", "median_tpot_ms", "median_ttft_ms", "h2d_mb_per_step", "h2d_gb_s", "hit_rate",
-                  "admitted_per_head_step", "hbm_gb_per_step", "hbm_tb_s", "hbm_of_peak")
+                  "admitted_per_head_step", "hbm_gb_per_step", "hbm_tb_s", "hbm_of_peak", "link_gb_s")
 RUN_FIELDS = ("system", "input_len", "output_len", "batch", "pool", "fetch_cap", "host_requests", "churn", "kv_dtype")
 RUN_DEFAULTS = {"kv_dtype": "auto"}      # fields results stored before the field existed were measured with
 

@@ -699,3 +699,24 @@ def test_tables_give_the_hbm_bandwidth_each_run_reached(bench, tmp_path):
     assert "| context/16384/oasis | 40 | 37.7 | 2.21 | 66% |" in md
     assert "| context/16384/dense | 22 | 68.7 | 2.74 | 82% |" in md
     assert "context/32768/oasis | 20 |" not in md.split("### HBM")[1], "a run without the figures has no row"
+
+
+def test_the_host_link_rate_of_the_oasis_server_reaches_the_table(bench):
+    """The start-up line of a served 16K run on the H100 (2026-12-06, call 3), as SGLang logged it."""
+    line = ("[2026-12-06 10:55:48] OasisKV: transfer budget auto: admission copies measured at 48.3 GB/s host to "
+            "device; a step may admit 0.80 of what the link moves during it (sized from the decode step time, at "
+            "each OasisKV decode line)\n")
+    assert bench.link_rate("x\n" + line + "y\n") == 48.3
+    assert bench.link_rate(line + line.replace("48.3", "25.4")) == 25.4, "the last start-up"
+    assert bench.link_rate("[t] Decode batch, #running-req: 8\n") is None
+    res = [{"key": "context/16384/oasis", "system": "oasis", "decode_tok_s": 2344.2, "max_running": 40,
+            "link_gb_s": 48.3},
+           {"key": "context/16384/dense", "system": "dense", "decode_tok_s": 876.2, "max_running": 22},
+           {"key": "context/4096/oasis", "system": "oasis", "error": "start failed: boom"}]
+    md = bench.tables(res, _args(bench))
+    rows = {l.split(" | ")[0][2:]: l for l in md.splitlines() if l.startswith("| context/")}
+    assert rows["context/16384/oasis"].endswith("| 2.68x | 48.3 |")
+    assert rows["context/16384/dense"].endswith("| - | - |"), "dense measures no link"
+    assert rows["context/4096/oasis"].startswith("| context/4096/oasis | failed: start failed: boom")
+    head = next(l for l in md.splitlines() if l.startswith("| run |"))
+    assert all(l.count("|") == head.count("|") for l in rows.values()), "every row has the header's columns"
