@@ -6,8 +6,10 @@ tokens. Tokens arrive as segments (consecutive tokens of one block); a segment s
 block offset 0 starts the summary, any other is folded into the current one. Min and max are
 exact in every dtype, so the result equals the reference bit for bit.
 
-One program per (segment, KV head): reads the segment's ``<= bs`` tokens once from the device
-and writes them to the host tier (zero-copy stores into mapped pinned memory on CUDA: one
+One program per (segment, KV head) (a prefill on CUDA: one per token and KV head, and the
+programs that start a segment find its end themselves, ``SCAN``, so no host sync splits the
+locations first): reads the segment's ``<= bs`` tokens once from the device and writes them to
+the host tier (zero-copy stores into mapped pinned memory on CUDA: one
 ``len * D`` contiguous piece per head), then updates the summary row on the device.
 Bytes: ``N * H * (D + Dv) * e`` read and written to the host, ``2 * segments * H * D * e``
 summaries written (``e`` element bytes).
@@ -30,9 +32,9 @@ reference = TorchKVOps().write_kv
 @triton.jit
 def _write_kv_kernel(HostK, HostV, Kmin, Kmax, K, V, SegPage, SegOff, SegSrc, SegLen,
                      stride_hk_h, stride_hv_h, stride_s_p, stride_k_n, stride_k_h, stride_v_n, stride_v_h,
-                     P, BS: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+                     P, N, BS: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
                      BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                     WRITE_HOST: tl.constexpr, ONE_EACH: tl.constexpr):
+                     WRITE_HOST: tl.constexpr, ONE_EACH: tl.constexpr, SCAN: tl.constexpr):
     seg = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
     if ONE_EACH:                    # decode: SegPage holds the token locations, one token per segment
@@ -41,6 +43,20 @@ def _write_kv_kernel(HostK, HostV, Kmin, Kmax, K, V, SegPage, SegOff, SegSrc, Se
         off0 = loc % BS
         src = seg.to(tl.int64)
         n = 1
+    elif SCAN:
+        # prefill without a host sync: SegPage holds the N token locations, one program per token;
+        # a token that starts a run (``segments``: offset 0 in its block, or not the previous
+        # location + 1) writes the run, up to its block's end; every other program writes nothing
+        src = seg.to(tl.int64)
+        loc = tl.load(SegPage + src).to(tl.int64)
+        prev = tl.load(SegPage + src - 1, mask=src > 0, other=-2).to(tl.int64)
+        first = (src == 0) | (loc % BS == 0) | (loc != prev + 1)
+        tt = tl.arange(0, BLOCK_T)
+        nxt = tl.load(SegPage + src + tt, mask=src + tt < N, other=-1).to(tl.int64)
+        run = (src + tt < N) & (nxt == loc + tt) & ((loc % BS) + tt < BS)
+        n = tl.where(first, tl.min(tl.where(run, BLOCK_T, tt), axis=0), 0)   # the first token not in the run
+        page = loc // BS
+        off0 = loc % BS
     else:
         page = tl.load(SegPage + seg).to(tl.int64)
         off0 = tl.load(SegOff + seg).to(tl.int64)
@@ -66,8 +82,10 @@ def _write_kv_kernel(HostK, HostV, Kmin, Kmax, K, V, SegPage, SegOff, SegSrc, Se
     nan = tl.max(tl.where(m & (kc != kc), 1, 0), axis=0) > 0     # NaN propagates, as torch.amin does
     lo = tl.where(nan, float("nan"), lo)
     hi = tl.where(nan, float("nan"), hi)
-    # continuing a block (offset > 0): fold into its current summary
-    fold_summary_row(Kmin, Kmax, page * stride_s_p + h * D + d, lo, hi, dm, dm & (off0 > 0))
+    # continuing a block (offset > 0): fold into its current summary (a scan program off a run's
+    # start stores nothing)
+    live = dm & (n > 0)
+    fold_summary_row(Kmin, Kmax, page * stride_s_p + h * D + d, lo, hi, live, live & (off0 > 0))
 
 
 @triton.jit
@@ -104,10 +122,13 @@ def segments(loc: torch.Tensor, block_size: int, one_token_each: bool = False):
 
 
 def write_kv(host_k, host_v, kmin, kmax, loc, k, v, block_size: int, one_token_each: bool = False,
-             write_host: bool = True) -> None:
+             write_host: bool = True, scan: bool | None = None) -> None:
     """Triton version of :meth:`TorchKVOps.write_kv` (same arguments; see there).
 
     ``one_token_each=True`` when each token is in its own block (decode batches: no sync).
+    ``scan``: a prefill's runs are found inside the kernel (one program per token and KV head;
+    those that do not start a run return), not by ``segments`` on the host (a ``nonzero``: one
+    host sync per sparse layer of every prefill forward). ``None``: on CUDA.
     Raises:
         AssertionError: shapes, strides or dtypes do not match the layouts.
         IndexError: with ``OASIS_KERNEL_CHECKS=1``, a location outside the host tier.
@@ -125,7 +146,8 @@ def write_kv(host_k, host_v, kmin, kmax, loc, k, v, block_size: int, one_token_e
     if checks_enabled():
         check_range(loc, 0, P * bs, "loc (token locations)")
     dev = kmin.device
-    if one_token_each:              # the kernel splits the locations itself: no index ops before it
+    scan = not one_token_each and (dev.type == "cuda" if scan is None else bool(scan))
+    if one_token_each or scan:      # the kernel splits the locations itself: no index ops before it
         loc_d = loc.to(dev).contiguous()      # the kernel reads it with unit stride (a verify batch
         page = off = src = length = loc_d   # passes out_cache_loc.view(-1, 2)[:, 0])
     else:
@@ -134,5 +156,5 @@ def write_kv(host_k, host_v, kmin, kmax, loc, k, v, block_size: int, one_token_e
     _write_kv_kernel[grid](
         kernel_arg(host_k, dev), kernel_arg(host_v, dev), kmin, kmax, k, v, page, off, src, length,
         host_k.stride(0), host_v.stride(0), kmin.stride(0), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        P, BS=bs, D=D, DV=Dv, BLOCK_T=next_pow2(bs), BLOCK_D=next_pow2(D), BLOCK_DV=next_pow2(Dv),
-        WRITE_HOST=write_host, ONE_EACH=one_token_each)
+        P, N, BS=bs, D=D, DV=Dv, BLOCK_T=next_pow2(bs), BLOCK_D=next_pow2(D), BLOCK_DV=next_pow2(Dv),
+        WRITE_HOST=write_host, ONE_EACH=one_token_each, SCAN=scan)

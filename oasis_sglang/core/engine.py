@@ -473,7 +473,8 @@ class OasisSparseKV:
     # ---- prefill --------------------------------------------------------------------------
     def extend_attention(self, layer_id: int, q: torch.Tensor, rows: torch.Tensor, prefix_lens: torch.Tensor,
                          extend_lens: torch.Tensor, req_to_token: torch.Tensor, scale: float | None,
-                         k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None) -> torch.Tensor:
+                         k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None, *,
+                         host: tuple[Sequence[int], Sequence[int], Sequence[int]] | None = None) -> torch.Tensor:
         """Prefill (extend) of a sparse layer whose new K/V were already written (``write_kv``).
 
         Args:
@@ -481,16 +482,27 @@ class OasisSparseKV:
             rows, prefix_lens, extend_lens: ``[B]``. req_to_token: SGLang's ``[R, max_len]`` table.
             k_new, v_new: ``[T, H, D/Dv]`` the new tokens' K/V (on the device); when given, only
                 the cached prefix is read back from the host tier.
+            host: ``(rows, prefix_lens, extend_lens)`` as host integer lists (SGLang's scheduler
+                rows and ``extend_prefix_lens_cpu`` / ``extend_seq_lens_cpu``): then no device
+                value is read back (without them, three reads per sparse layer of every prefill
+                forward, each a host sync on a GPU). The device tensors are taken to hold the
+                same values.
         Returns:
             ``[T, Hq, Dv]``.
         Raises:
             ValueError: a dense or unknown layer; ``rows``, ``prefix_lens`` and ``extend_lens`` of
-                different lengths, a negative length, or ``sum(extend_lens) != T`` (checked
-                before any state changes).
+                different lengths, host lists of another length than ``rows``, a negative
+                length, or ``sum(extend_lens) != T`` (checked before any state changes).
         """
         li = self._sparse_index(layer_id, "extend_attention")
         self._flush_folds()
-        rows_c, pre_c, ext_c = rows.tolist(), prefix_lens.tolist(), extend_lens.tolist()
+        if host is not None:
+            if len(host) != 3 or any(len(x) != rows.shape[0] for x in host):
+                raise ValueError(f"extend_attention: host lists of lengths {[len(x) for x in host]} for "
+                                 f"{rows.shape[0]} rows: want (rows, prefix_lens, extend_lens), one entry per row")
+            rows_c, pre_c, ext_c = (list(map(int, x)) for x in host)
+        else:
+            rows_c, pre_c, ext_c = rows.tolist(), prefix_lens.tolist(), extend_lens.tolist()
         if not len(rows_c) == len(pre_c) == len(ext_c):
             raise ValueError(f"extend_attention: {len(rows_c)} rows, {len(pre_c)} prefix_lens, {len(ext_c)} extend_lens")
         if min(pre_c + ext_c, default=0) < 0 or sum(ext_c) != q.shape[0]:

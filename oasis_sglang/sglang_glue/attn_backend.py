@@ -19,7 +19,7 @@ from __future__ import annotations
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
 from ..core import StepMode
-from .batch_info import host_rows, max_seq_len
+from .batch_info import extend_host, host_rows, max_seq_len
 from .draft_backend import paged_ok, paired_paged_attention
 from .log_line import DecodeLog
 from .runtime import OasisRuntime
@@ -137,7 +137,8 @@ class OasisAttnBackend(WrappedBackend):
         o = self.engine.extend_attention(
             layer.layer_id, q_, forward_batch.req_pool_indices, forward_batch.extend_prefix_lens,
             forward_batch.extend_seq_lens, self.req_to_token_pool.req_to_token, layer.scaling,
-            k.view(-1, H, layer.qk_head_dim), v.view(-1, H, layer.v_head_dim))
+            k.view(-1, H, layer.qk_head_dim), v.view(-1, H, layer.v_head_dim), host=extend_host(forward_batch,
+                                                                                          self.runtime.batch_rows_host))
         return o.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):

@@ -41,3 +41,16 @@ def host_rows(forward_batch, stashed: list[int] | None = None, extra: int = 0):
             _warned_host += 1
         return None, None
     return list(rows), (seq + extra).tolist()
+
+
+def extend_host(forward_batch, stashed: list[int] | None):
+    """``(rows, prefix_lens, extend_lens)`` of an extend batch as host integer lists (the
+    scheduler's rows and SGLang's ``extend_prefix_lens_cpu`` / ``extend_seq_lens_cpu``), or
+    ``None`` when the batch lacks one of them or their lengths differ from its rows': the engine
+    then reads the device (``OasisSparseKV.extend_attention``)."""
+    B = forward_batch.req_pool_indices.shape[0]
+    pre = getattr(forward_batch, "extend_prefix_lens_cpu", None)
+    ext = getattr(forward_batch, "extend_seq_lens_cpu", None)
+    if stashed is None or pre is None or ext is None or not len(stashed) == len(pre) == len(ext) == B:
+        return None
+    return list(stashed), list(pre), list(ext)

@@ -87,6 +87,43 @@ def test_prefill_equals_dense_causal_attention(seed):
 
 
 @pytest.mark.parametrize("predictor", ["current", "previous"])
+def test_prefill_with_host_lengths_reads_no_length_back_and_equals_the_device_path(seed, predictor):
+    """``extend_attention(host=(rows, prefix_lens, extend_lens))`` (what the glue passes from
+    SGLang's ``extend_*_lens_cpu``): the length tensors are never read (here they are meta
+    tensors, which hold no values), and outputs, working sets and summaries equal the path that
+    reads them back: request 1's second chunk (12 tokens after a 40-token prefix) beside
+    request 2's 40-token prompt."""
+    H, D, Hq = 2, 8, 6
+    rt = torch.zeros(4, 256, dtype=torch.int32)
+    locs = _paged_locs(92)
+    rt[1, :52], rt[2, :40] = locs[:52], locs[52:]
+    K, V, Q = torch.randn(92, H, D), torch.randn(92, H, D), torch.randn(92, Hq, D)
+    res = []
+    for host in (False, True):
+        eng = _engine(budget=32, predictor=predictor)
+        for layer in (1, 2):                                              # request 1's first chunk
+            eng.write_kv(layer, locs[:40], K[:40], V[:40])
+            eng.extend_attention(layer, Q[:40], torch.tensor([1]), torch.tensor([0]), torch.tensor([40]), rt, None)
+        rows, pre, ext = torch.tensor([1, 2]), [40, 0], [12, 40]
+        outs = []
+        for layer in (1, 2):
+            eng.write_kv(layer, locs[40:], K[40:], V[40:])
+            if host:
+                o = eng.extend_attention(layer, Q[40:], rows, torch.empty(2, device="meta"),
+                                         torch.empty(2, device="meta"), rt, None, host=([1, 2], pre, ext))
+            else:
+                o = eng.extend_attention(layer, Q[40:], rows, torch.tensor(pre), torch.tensor(ext), rt, None)
+            outs.append(o)
+        res.append(outs + [t.clone() for t in (eng.ws.ids, eng.summaries.kmin[0], eng.summaries.kmax[1])])
+    for a, b in zip(*res):
+        assert torch.equal(a, b)
+    eng = _engine(budget=32)
+    with pytest.raises(ValueError, match=r"host lists of lengths \[2, 1, 1\] for 2 rows"):
+        eng.extend_attention(1, Q[:4], torch.tensor([1, 2]), torch.tensor([0, 0]), torch.tensor([2, 2]), rt, None,
+                             host=([1, 2], [0], [4]))
+
+
+@pytest.mark.parametrize("predictor", ["current", "previous"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_sparse_equals_dense_when_working_set_covers_context(seed, dtype, predictor):
     """budget >= context: every decode output is bitwise the dense attention over all tokens."""

@@ -227,3 +227,22 @@ def test_sglangs_patched_free_and_clear_call_the_hooks(seed):
     assert eng.record.seq[[1, 3]].tolist() == [13, 13] and (eng.ws.ids[:, [1, 3]] >= 0).any()
     rtp.clear()
     assert (eng.record.seq == -1).all() and (eng.ws.ids == -1).all() and rtp.free_slots == [1, 2, 3, 4]
+
+
+def test_an_extend_batch_gives_the_engine_its_host_lengths_or_nothing():
+    """``batch_info.extend_host`` on SGLang's own ForwardBatch: the scheduler's rows with
+    ``extend_prefix_lens_cpu`` / ``extend_seq_lens_cpu`` when all three cover the batch
+    (the engine then reads no length back: one host sync fewer per sparse layer and prefill)."""
+    from oasis_sglang.sglang_glue.batch_info import extend_host
+
+    def fb(pre, ext, B=2):
+        return ForwardBatch(forward_mode=ForwardMode.EXTEND, batch_size=B, input_ids=torch.zeros(1, dtype=torch.long),
+                            req_pool_indices=torch.tensor([3, 1][:B]), seq_lens=torch.tensor([9, 5][:B]),
+                            out_cache_loc=torch.zeros(1, dtype=torch.long), seq_lens_sum=14,
+                            extend_prefix_lens_cpu=pre, extend_seq_lens_cpu=ext)
+
+    assert extend_host(fb([4, 0], [5, 5]), [3, 1]) == ([3, 1], [4, 0], [5, 5])
+    assert extend_host(fb([4, 0], [5, 5]), None) is None, "no scheduler rows"
+    assert extend_host(fb(None, [5, 5]), [3, 1]) is None
+    assert extend_host(fb([4, 0], [5, 5]), [3]) is None, "rows of another batch"
+    assert extend_host(fb([4], [5], B=1), [3, 1]) is None

@@ -55,7 +55,8 @@ def same(a, b):
 
 @pytest.mark.parametrize("kv", FP8)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_write_kv_fp8_host_tier_and_model_dtype_summaries(seed, kv, dtype):
+@pytest.mark.parametrize("scan", [False, True], ids=["segments", "scan"])
+def test_write_kv_fp8_host_tier_and_model_dtype_summaries(seed, kv, dtype, scan):
     """Prefill chunks then decode tokens: the host tier holds ``k.to(fp8)``, the summaries (in the
     model's dtype) are the exact min / max of the fp8 values, kernel == reference."""
     H, D, Dv, bs, P = 2, 32, 24, 8, 12
@@ -66,7 +67,7 @@ def test_write_kv_fp8_host_tier_and_model_dtype_summaries(seed, kv, dtype):
     for a, b in ((0, 13), (13, 29), (29, 30), (30, 31), (31, 40)):
         loc = loc_all[a:b].to(DEV)
         k, v = vals((b - a, H, D), dtype, kv).to(DEV), vals((b - a, H, Dv), dtype, kv).to(DEV)
-        write_kv(hk, hv, kmin, kmax, loc, k, v, bs, one_token_each=b - a == 1)
+        write_kv(hk, hv, kmin, kmax, loc, k, v, bs, one_token_each=b - a == 1, scan=scan)
         REF.write_kv(*ref, loc, k, v, bs)
     if CUDA:
         torch.cuda.synchronize()

@@ -65,7 +65,10 @@ def host_tensor(shape, dtype):
 # ---- 1. write_kv: host tier + summaries --------------------------------------------------------
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bs", [8, 16])
-def test_write_kv_matches_reference_exactly(seed, dtype, bs):
+@pytest.mark.parametrize("scan", [False, True], ids=["segments", "scan"])
+def test_write_kv_matches_reference_exactly(seed, dtype, bs, scan):
+    """Prefill chunks (their runs found by ``segments`` on the host, or by the kernel itself
+    without a sync: ``scan``) then decode tokens: bit for bit the reference."""
     H, D, Dv = 2, 32, 24
     lens = [int(x) for x in torch.randint(1, 5 * bs, (3,))]
     rtt, P = layout([n + 4 for n in lens], bs)
@@ -80,7 +83,7 @@ def test_write_kv_matches_reference_exactly(seed, dtype, bs):
         loc = torch.cat([rtt[r, a:b] for r, a, b in step]).long().to(DEV)
         k, v = torch.randn(loc.numel(), H, D).to(dtype).to(DEV), torch.randn(loc.numel(), H, Dv).to(dtype).to(DEV)
         one = si >= 2
-        write_kv(hk, hv, kmin, kmax, loc, k, v, bs, one_token_each=one)
+        write_kv(hk, hv, kmin, kmax, loc, k, v, bs, one_token_each=one, scan=scan)
         REF.write_kv(*ref, loc, k, v, bs)
     for got, want in zip((hk, hv, kmin, kmax), ref):
         assert torch.equal(got.cpu(), want.cpu())
@@ -114,6 +117,25 @@ def test_segments_split_runs_at_block_and_request_boundaries():
     page, off, src, ln = segments(loc, 4)
     assert page.tolist() == [1, 2, 10, 0] and off.tolist() == [1, 0, 0, 2]
     assert src.tolist() == [0, 3, 5, 7] and ln.tolist() == [3, 2, 2, 2]
+
+
+@pytest.mark.parametrize("scan", [False, True], ids=["segments", "scan"])
+def test_write_kv_runs_that_break_anywhere_equal_the_reference(seed, scan):
+    """Runs that start and end mid-block, jump backwards and cross block ends, each block written
+    by one run (as SGLang's pages with ``--page-size`` = block size hand them out): host tier and
+    summaries bit for bit the reference's."""
+    H, D, bs, P = 2, 16, 4, 12
+    loc = torch.tensor([5, 6, 7, 8, 9, 40, 41, 2, 3, 13, 14, 15, 16, 17, 30, 31, 44, 45, 46, 47])
+    hk, hv = host_tensor((H, P, bs, D), torch.float32), host_tensor((H, P, bs, D), torch.float32)
+    kmin, kmax = torch.randn(P, H, D).to(DEV), torch.randn(P, H, D).to(DEV)
+    ref = [t.clone() for t in (hk, hv, kmin, kmax)]
+    k, v = torch.randn(loc.numel(), H, D).to(DEV), torch.randn(loc.numel(), H, D).to(DEV)
+    write_kv(hk, hv, kmin, kmax, loc.to(DEV), k, v, bs, scan=scan)
+    REF.write_kv(*ref, loc.to(DEV), k, v, bs)
+    if CUDA:
+        torch.cuda.synchronize()
+    for got, want in zip((hk, hv, kmin, kmax), ref):
+        assert torch.equal(got.cpu(), want.cpu())
 
 
 # ---- 2. scoring + top-K ----------------------------------------------------------------------------
