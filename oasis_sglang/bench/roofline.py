@@ -127,7 +127,14 @@ def step_hbm_bytes(shape: ModelShape, system: str, running: int, context: int, *
 
 
 def reached(total_bytes: int, step_ms: float, gpu_name: str) -> tuple[float, float | None]:
-    """``(TB/s, fraction of the GPU's peak or None)`` of ``total_bytes`` read in ``step_ms``."""
+    """``(TB/s, fraction of the GPU's peak or None)`` of ``total_bytes`` (bytes) read in one step
+    of ``step_ms`` milliseconds.
+
+    Raises:
+        ValueError: a step time that is not a positive number of milliseconds.
+    """
+    if not step_ms > 0:
+        raise ValueError(f"reached: step_ms {step_ms!r}: want a positive step time in milliseconds")
     tb_s = total_bytes / (step_ms * 1e-3) / 1e12
     peak = peak_hbm_tb_s(gpu_name)
     return tb_s, None if peak is None else tb_s / peak

@@ -658,6 +658,8 @@ def test_roofline_counts_the_bytes_each_system_reads(tmp_path):
         roofline.step_hbm_bytes(s, "oasis", 1, 100, dense_layers=40)
     with pytest.raises(ValueError, match="block 0"):
         roofline.step_hbm_bytes(s, "oasis", 1, 100, block=0)
+    with pytest.raises(ValueError, match="step_ms 0"):
+        roofline.reached(o["total"], 0, "NVIDIA H200")
 
 
 def test_roofline_reads_no_shape_it_cannot_count(tmp_path):
