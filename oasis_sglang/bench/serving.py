@@ -114,7 +114,8 @@ def gpu_name() -> str:
     return g[0] if g else "no GPU"
 
 
-QWEN3_8B_KV_BYTES_PER_TOKEN = 36 * 8 * 128 * 2 * 2        # layers x KV heads x head_dim x (K, V) x bf16
+QWEN3_8B_LAYERS = 36
+QWEN3_8B_KV_BYTES_PER_TOKEN = QWEN3_8B_LAYERS * 8 * 128 * 2 * 2   # layers x KV heads x head_dim x (K, V) x bf16
 KV_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")               # --kv-dtype: SGLang's --kv-cache-dtype for every server
 
 
@@ -141,18 +142,28 @@ class Run:
 
 
 def kv_bytes_per_token(kv_dtype: str = "auto") -> int:
-    """Bytes of Qwen3-8B KV per token: bf16, or half of it in fp8 (``--kv-dtype fp8_*``)."""
+    """Bytes of Qwen3-8B KV per token, every layer: bf16, or half of it in fp8 (``--kv-dtype fp8_*``)."""
     return QWEN3_8B_KV_BYTES_PER_TOKEN // (2 if kv_dtype.startswith("fp8") else 1)
 
 
+def tier_bytes_per_token(kv_dtype: str = "auto") -> int:
+    """Bytes per token the oasis host tier holds for Qwen3-8B: the sparse layers' K and V only
+    (the config's ``dense_layers``, 2 of 36 by default, keep their KV on the device), bf16 or
+    fp8. 136 KiB in bf16 (``OasisSparseKV.token_capacity``'s ``host_cell``)."""
+    sparse = QWEN3_8B_LAYERS - len(OasisConfig().dense_layers)
+    return kv_bytes_per_token(kv_dtype) * sparse // QWEN3_8B_LAYERS
+
+
 def host_requests_for(ctx: int, host_gib: float, kv_dtype: str = "auto") -> int:
-    """Requests of ``ctx`` tokens whose Qwen3-8B KV (in ``kv_dtype``) fits in ``host_gib`` GiB of
-    host tier. Raises ValueError (naming --host-gib) when not even one fits."""
-    per = kv_bytes_per_token(kv_dtype)
+    """Requests of ``ctx`` tokens whose Qwen3-8B sparse layers' KV (in ``kv_dtype``,
+    :func:`tier_bytes_per_token`) fits in ``host_gib`` GiB of host tier: 44 of 16,704 tokens in
+    96 GiB (before 2026-12-06 the benchmark charged all 36 layers, 40). Raises ValueError (naming
+    --host-gib) when not even one fits."""
+    per = tier_bytes_per_token(kv_dtype)
     n = int(host_gib * 2**30 // (ctx * per))
     if n < 1:
         raise ValueError(f"--host-gib {host_gib:g} holds no request of {ctx} tokens "
-                         f"({ctx * per / 2**30:.2f} GiB of Qwen3-8B KV)")
+                         f"({ctx * per / 2**30:.2f} GiB of Qwen3-8B sparse-layer KV)")
     return n
 
 
@@ -812,8 +823,8 @@ def main() -> int:
     ap.add_argument("--dense-batch", type=positive_int, default=32,
                     help="throughput / context: prompts sent to dense at least (its pool limits what runs)")
     ap.add_argument("--host-gib", type=positive_float, default=96.0,
-                    help="oasis host tier, GiB of Qwen3-8B KV (pinned host memory; the H200 host has 128 GiB "
-                         "and served a 95.4 GB tier, 41 requests of 16K, on 2026-12-02)")
+                    help="oasis host tier, GiB of Qwen3-8B sparse-layer KV (pinned host memory, 136 KiB a token "
+                         "in bf16; the GPU hosts have 128 GiB; 96 GiB holds 44 requests of 16K)")
     ap.add_argument("--budget", type=positive_int, default=2048, help="oasis budget_tokens")
     ap.add_argument("--kv-dtype", default="auto", choices=KV_DTYPES,
                     help="SGLang's --kv-cache-dtype for dense and oasis alike (fp8: half the bytes per token, so "

@@ -36,10 +36,29 @@ def test_all_plans_the_measurements_once(bench):
     runs = {r.key: r for r in bench.plan("all", a)}
     d, o = runs["throughput/16384/dense"], runs["throughput/16384/oasis"]
     assert d.pool == "80gb" and o.pool == "exact"
-    assert o.batch == o.host_requests == bench.host_requests_for(16384 + 256 + 64, 72.0) == 31
+    assert o.batch == o.host_requests == bench.host_requests_for(16384 + 256 + 64, 72.0) == 33
     assert "--mem-fraction-static" in bench.system_args(d, a) and "--kv-sparse" in bench.system_args(o, a)
     s = bench.system_args(runs["short/1024/oasis"], a)
     assert int(s[s.index("--context-length") + 1]) >= 2048, "oasis refuses a budget above the context length"
+
+
+def test_the_host_tier_is_sized_by_the_sparse_layers_the_server_keeps_there(bench):
+    """The benchmark's request count per --host-gib charges what the server's host tier holds
+    per token (``OasisSparseKV.token_capacity``'s ``host_cell``: the 34 sparse layers of 36), so
+    96 GiB holds 44 requests of 16K (40 when all 36 layers were charged)."""
+    from oasis_sglang.config import OasisConfig
+    from oasis_sglang.core.engine import OasisSparseKV
+
+    cap = OasisSparseKV.token_capacity(OasisConfig(), device_bytes=40 * 2**30, dense_cell_bytes=36 * 4096,
+                                       host_bytes=96 * 2**30, num_layers=36, num_rows=45, head_num=8, head_dim=128,
+                                       v_head_dim=128, dtype_bytes=2)
+    assert bench.tier_bytes_per_token() == cap["host_cell"] == 34 * 4096
+    assert bench.tier_bytes_per_token("fp8_e5m2") == 34 * 2048
+    assert bench.host_requests_for(16384 + 256 + 64, 96.0) == 44
+    assert bench.host_requests_for(32768 + 256 + 64, 96.0) == 22
+    assert bench.host_requests_for(16704, 96.0) * 16704 <= cap["tokens"], "the server's tier holds what the bench sends"
+    with pytest.raises(ValueError, match="--host-gib"):
+        bench.host_requests_for(16704, 1.0)
 
 
 def test_oasis_figures_from_real_log_lines(bench):
@@ -506,7 +525,7 @@ def test_list_prints_the_servers_that_would_start(bench, monkeypatch, tmp_path, 
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 5, lines
     assert lines[1].startswith("throughput/16384/oasis throughput/32768/oasis context/4096/oasis context/8192/oasis ")
-    assert "--max-running-requests 158 " in lines[1]
+    assert "--max-running-requests 167 " in lines[1]      # 4K: 96 GiB of 136 KiB tokens
     assert _main(bench, monkeypatch, "--suite", "all", "--list", "--separate-servers") == 0
     assert len(capsys.readouterr().out.strip().splitlines()) == 11
     with pytest.raises(SystemExit) as e:
@@ -525,7 +544,7 @@ def test_kv_dtype_fp8_doubles_the_host_tier_requests_and_reaches_every_server(be
     runs = {r.key: r for r in bench.plan("all", a)}
     o8, o16 = runs["throughput/16384/oasis@fp8_e4m3"], {r.key: r for r in bench.plan("all", _args(bench))}["throughput/16384/oasis"]
     assert o8.kv_dtype == "fp8_e4m3" and o16.kv_dtype == "auto"
-    assert o8.host_requests == bench.host_requests_for(16384 + 256 + 64, 72.0, "fp8_e4m3") == 62 == 2 * o16.host_requests
+    assert o8.host_requests == bench.host_requests_for(16384 + 256 + 64, 72.0, "fp8_e4m3") == 66 == 2 * o16.host_requests
     for r in runs.values():
         args = bench.system_args(r, a)
         assert args[args.index("--kv-cache-dtype") + 1] == "fp8_e4m3", r.key
