@@ -293,14 +293,28 @@ def _overlap_args(args, spec: bool, cpu: bool = False) -> None:
       after every prefetch stream (``OasisSparseKV.reset_rows``), so the extra step the overlap
       scheduler runs for a request that has just finished still sees its rows intact.
 
-    Turned off with a draft model: SGLang's overlapped speculative worker (spec v2) publishes
-    results mid-forward and the paired forward's probe hooks are tested without it.
+    Turned off with a draft model unless ``OASIS_SPEC_OVERLAP=1`` (an experiment, not yet run on
+    a GPU): SGLang's overlapped speculative worker (spec v2) publishes the verify's lengths
+    mid-forward (``FutureMap.resolve_seq_lens_cpu``) and the paired forward's probe hooks are
+    tested without it; SGLang 0.5.17 refuses it on the CPU engine. Without it the host's work
+    between steps is GPU idle time: 6.74 ms of a 26.5 ms paired step at 39 x 16K on the H100
+    (docs/benchmarks/2026-12-06_h100-44-running-paired-profile.md).
+
+    Raises:
+        OasisConfigError: ``OASIS_SPEC_OVERLAP`` is set to something other than ``0`` or ``1``.
     """
-    if spec:
+    flag = os.environ.get("OASIS_SPEC_OVERLAP", "0")
+    if flag not in ("0", "1"):
+        raise OasisConfigError(f"OASIS_SPEC_OVERLAP={flag!r}: want 1 (keep SGLang's overlap scheduler with a draft "
+                               f"model, an experiment) or 0 (the default: off with a draft)")
+    if spec and flag != "1":
         if not getattr(args, "disable_overlap_schedule", True):
             logger.info("OasisKV: disabling the overlap scheduler (speculative paired forward)")
         args.disable_overlap_schedule = True
         return
+    if spec and not getattr(args, "disable_overlap_schedule", False):
+        logger.warning("OasisKV: OASIS_SPEC_OVERLAP=1: the overlap scheduler stays on with the speculative paired "
+                       "forward (an experiment, not validated on a GPU)")
     if not getattr(args, "disable_overlap_schedule", False):
         # (on the CPU engine the forward is synchronous: SGLang's barrier stays as it decides there)
         for var in ("SGLANG_FORCE_COARSE_WAR_BARRIER",) + (() if cpu else ("SGLANG_ENABLE_WAR_BARRIER",)):

@@ -194,6 +194,31 @@ def test_overlap_barrier_on_a_gpu(monkeypatch):
     assert a.disable_overlap_schedule
 
 
+def test_overlap_with_a_draft_only_when_asked(monkeypatch):
+    """OASIS_SPEC_OVERLAP=1 keeps SGLang's overlap scheduler with a draft (and its barrier);
+    --disable-overlap-schedule still wins; any value but 0 / 1 is refused, naming the variable."""
+    from types import SimpleNamespace
+
+    from oasis_sglang.config import OasisConfigError
+    from oasis_sglang.sglang_glue.server_args import _overlap_args
+
+    monkeypatch.delenv("SGLANG_FORCE_COARSE_WAR_BARRIER", raising=False)
+    monkeypatch.setenv("OASIS_SPEC_OVERLAP", "1")
+    a = SimpleNamespace(disable_overlap_schedule=False)
+    _overlap_args(a, spec=True, cpu=False)
+    assert not a.disable_overlap_schedule and os.environ["SGLANG_FORCE_COARSE_WAR_BARRIER"] == "1"
+    a = SimpleNamespace(disable_overlap_schedule=True)
+    _overlap_args(a, spec=True, cpu=False)
+    assert a.disable_overlap_schedule
+    monkeypatch.setenv("OASIS_SPEC_OVERLAP", "0")
+    a = SimpleNamespace(disable_overlap_schedule=False)
+    _overlap_args(a, spec=True, cpu=False)
+    assert a.disable_overlap_schedule
+    monkeypatch.setenv("OASIS_SPEC_OVERLAP", "yes")
+    with pytest.raises(OasisConfigError, match="OASIS_SPEC_OVERLAP='yes'"):
+        _overlap_args(SimpleNamespace(disable_overlap_schedule=False), spec=True, cpu=False)
+
+
 def test_overlap_scheduler_can_still_be_turned_off(model):
     a = make(model, kv_sparse="oasis", disable_overlap_schedule=True)
     assert a.disable_overlap_schedule
