@@ -477,6 +477,9 @@ def start_server(args: list[str], log_path: Path, a, ablate: bool = False, churn
                 os.environ.pop(k, None)
 
 
+SERVER_ENV = ("OASIS_SPEC_OVERLAP", "OASIS_COPY_PROGRAMS", "OASIS_DECODE_LOG_INTERVAL")   # recorded when set
+
+
 def run_one(run: Run, a, out: Path, srv=None) -> dict:
     """Benchmark ``run``; its figures (``error`` when it failed).
 
@@ -487,6 +490,9 @@ def run_one(run: Run, a, out: Path, srv=None) -> dict:
     base = {"key": run.key, "system": run.system, "input_len": run.input_len, "output_len": run.output_len,
             "batch": run.batch, "pool": run.pool, "fetch_cap": run.fetch_cap, "host_requests": run.host_requests,
             "churn": run.churn, "kv_dtype": run.kv_dtype, "date": time.strftime("%Y-%m-%d %H:%M")}
+    env = {k: os.environ[k] for k in SERVER_ENV if os.environ.get(k)}
+    if env:
+        base["env"] = env           # experiments the servers inherit (not part of the run's key)
     t0 = time.time()
     own = srv is None
     if own:

@@ -741,3 +741,20 @@ def test_the_host_link_rate_of_the_oasis_server_reaches_the_table(bench):
     assert rows["context/4096/oasis"].startswith("| context/4096/oasis | failed: start failed: boom")
     head = next(l for l in md.splitlines() if l.startswith("| run |"))
     assert all(l.count("|") == head.count("|") for l in rows.values()), "every row has the header's columns"
+
+
+def test_a_run_records_the_experiments_its_server_inherits(bench, monkeypatch, tmp_path):
+    """OASIS_SPEC_OVERLAP and the other server-side experiment variables, when set, are part of
+    every run's result (``env``), even of a run whose server did not start."""
+    def boom(*a, **k):
+        raise RuntimeError("no GPU here")
+
+    monkeypatch.setattr(bench, "start_server", boom)
+    run = bench.Run("paired/16384/oasis-eagle3", "oasis-eagle3", 16384, 256, 40, "exact", 8)
+    monkeypatch.delenv("OASIS_COPY_PROGRAMS", raising=False)
+    monkeypatch.delenv("OASIS_DECODE_LOG_INTERVAL", raising=False)
+    monkeypatch.setenv("OASIS_SPEC_OVERLAP", "1")
+    r = bench.run_one(run, _args(bench), tmp_path)
+    assert r["env"] == {"OASIS_SPEC_OVERLAP": "1"} and r["error"].startswith("start failed: RuntimeError")
+    monkeypatch.delenv("OASIS_SPEC_OVERLAP")
+    assert "env" not in bench.run_one(run, _args(bench), tmp_path)
