@@ -179,11 +179,12 @@ def choose_splits(B: int, H: int, KS: int, block_e: int, device: torch.device) -
 
 def sparse_decode_attention(q, ws_k, ws_v, ids, rows, seq_lens, scale: float | None, k_extra=None,
                             v_extra=None, return_lse: bool = False, num_splits: int | None = None,
-                            block_n: int = 64):
+                            block_n: int = 64, num_warps: int = 4, num_stages: int = 2):
     """Triton version of :meth:`TorchKVOps.sparse_decode_attention` (same arguments and result).
 
     ``num_splits``: splits of the working set (default: ``choose_splits``); ``block_n``: tokens
-    per tile (a multiple of ``bs``).
+    per tile (a multiple of ``bs``); ``num_warps`` / ``num_stages``: stage 1's launch
+    (``scripts/bench_kernels.py --only attention`` sweeps all four).
     Raises:
         AssertionError: shapes, strides or dtypes do not match.
         IndexError: with ``OASIS_KERNEL_CHECKS=1``, a row out of range or an empty context.
@@ -221,7 +222,8 @@ def sparse_decode_attention(q, ws_k, ws_v, ids, rows, seq_lens, scale: float | N
         q, ws_k, ws_v, ids, rows, seq_lens, mid_o, mid_l,
         q.stride(0), q.stride(1), q.stride(2), *mid_o.stride()[:4], *mid_l.stride()[:3],
         H, KS, split_e, sc, NQ=NQ, G=G, BS=bs, D=D, DV=Dv, BLOCK_M=BLOCK_M, BLOCK_E=block_e,
-        BLOCK_D=next_pow2(D), BLOCK_DV=next_pow2(Dv), UPCAST=interpreting(), num_warps=4, num_stages=2)
+        BLOCK_D=next_pow2(D), BLOCK_DV=next_pow2(Dv), UPCAST=interpreting(), num_warps=num_warps,
+        num_stages=num_stages)
     kx = k_extra if has_extra else q
     vx = v_extra if has_extra else q
     _stage2[(B * NQ * Hq,)](

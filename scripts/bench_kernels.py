@@ -1,6 +1,6 @@
 """Benchmark the OasisKV Triton kernels on a CUDA GPU and print one table.
 
-    python scripts/bench_kernels.py [--out results.md] [--layers 36] [--only paired|plan|scoring]
+    python scripts/bench_kernels.py [--out results.md] [--layers 36] [--only paired|plan|scoring|attention]
 
 Method (the device entry's METHOD.md): the byte floor of each kernel is stated first (every
 input read once, every output written once); ceilings are measured here first (HBM device copy,
@@ -138,15 +138,15 @@ def paired_case(B: int, ctx: int):
     return fns, 2 * N * H * D * E
 
 
-def ws_case(B: int, K: int, full: bool = True):
+def ws_case(B: int, K: int, full: bool = True, dev: str = "cuda"):
     """A working set with every slot resident (``K`` blocks per (request, KV head))."""
     R = B
-    ws_k = torch.randn(R, H, K, BS, D, device="cuda", dtype=DT)
-    ws_v = torch.randn(R, H, K, BS, D, device="cuda", dtype=DT)
-    ids = torch.stack([torch.randperm(4 * K, device="cuda")[:K] for _ in range(R * H)]).view(R, H, K)
-    seq = torch.full((B,), 4 * K * BS, device="cuda", dtype=torch.int64)
-    q = torch.randn(B, 1, H * G, D, device="cuda", dtype=DT)
-    rows = torch.arange(B, device="cuda")
+    ws_k = torch.randn(R, H, K, BS, D, device=dev, dtype=DT)
+    ws_v = torch.randn(R, H, K, BS, D, device=dev, dtype=DT)
+    ids = torch.stack([torch.randperm(4 * K, device=dev)[:K] for _ in range(R * H)]).view(R, H, K)
+    seq = torch.full((B,), 4 * K * BS, device=dev, dtype=torch.int64)
+    q = torch.randn(B, 1, H * G, D, device=dev, dtype=DT)
+    rows = torch.arange(B, device=dev)
     return q, ws_k, ws_v, ids, rows, seq
 
 
@@ -190,10 +190,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None, help="write the table (markdown) and raw numbers (.json) here")
     ap.add_argument("--layers", type=int, default=36, help="layers per decode step (Qwen3-8B: 36)")
-    ap.add_argument("--only", choices=["paired", "plan", "scoring"], default=None,
+    ap.add_argument("--only", choices=["paired", "plan", "scoring", "attention"], default=None,
                     help="paired: only the paired-forward section (dense and draft layers, 2 rows); plan: only "
                          "the admission plan, step budget and churn replay kernels; scoring: only block scoring "
-                         "with bf16 vs int8 summaries (an issue-17 experiment)")
+                         "with bf16 vs int8 summaries (an issue-17 experiment); attention: the sparse decode "
+                         "attention's launch parameters swept at the served batch sizes")
     ap.add_argument("--weights-gb", type=float, default=16.4, help="weight bytes read per decode step (GB)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -225,6 +226,11 @@ def main() -> int:
         return finish(rows, raw, ceil, args.out)
     if args.only == "plan":
         plan_section(add, raw)
+        steps.close()
+        return finish(rows, raw, ceil, args.out)
+    if args.only == "attention":
+        for B in (40, 43, 8, 120):
+            attention_section(add, raw, B)
         steps.close()
         return finish(rows, raw, ceil, args.out)
     if args.only == "scoring":
@@ -434,6 +440,45 @@ def scoring_section(add, raw, B: int, ctx: int, K: int = 128, dev: str = "cuda")
             lambda: block_keys(qs, a, b, rtt, rws, seq, BS, 1, 2, nb, **launch), nbytes, "hbm")
         add(f"select_topk, {name} summaries", shape,
             lambda: select_topk(qs, a, b, rtt, rws, seq, BS, 1, 2, nb, K, **launch), nbytes, "hbm")
+
+
+ATTENTION_SWEEP = tuple((s, bn, nw, ns) for s in (None, 4, 8) for bn in (64, 128) for nw in (4, 8) for ns in (2, 3))
+
+
+def attention_section(add, raw, B: int, ws_tokens: int = 2048, dev: str = "cuda", sweep=ATTENTION_SWEEP) -> None:
+    """The sparse decode attention (kernel 4) over ``B`` requests' ``ws_tokens``-token working
+    sets (one row per request, all slots resident), for each launch in ``sweep``: ``(num_splits``
+    (``None``: ``choose_splits``), ``block_n``, ``num_warps``, ``num_stages)``. Each launch's output
+    is compared with the default launch's first (a launch that changes the result is reported and
+    not timed); then the default and the fastest are timed through ``add``, and every timing of
+    the sweep goes to ``raw["attention_section"]``. ``dev``: "cpu" with ``TRITON_INTERPRET=1``
+    checks the section (tests)."""
+    q, ws_k, ws_v, ids, rws, seq = ws_case(B, ws_tokens // BS, dev=dev)
+    nbytes = 2 * B * H * ws_tokens * D * E
+    ref, _ = sparse_decode_attention(q, ws_k, ws_v, ids, rws, seq, None)
+    res = raw.setdefault("attention_section", {}).setdefault(f"B={B}, {ws_tokens}-token working set", {})
+    times = {}
+    for s, bn, nw, ns in sweep:
+        fn = (lambda s=s, bn=bn, nw=nw, ns=ns: sparse_decode_attention(q, ws_k, ws_v, ids, rws, seq, None,
+                                                                       num_splits=s, block_n=bn, num_warps=nw,
+                                                                       num_stages=ns))
+        name = f"splits={s or 'auto'},block_n={bn},warps={nw},stages={ns}"
+        err = (fn()[0].float() - ref.float()).abs().max().item()
+        if not err <= 0.02 * ref.float().abs().max().item() + 1e-3:       # bf16 sums in another order
+            res[name] = f"wrong: max |diff| {err:.3g} against the default launch"
+            continue
+        times[name] = bench_graph(fn) if dev == "cuda" else 0.0
+        res[name] = times[name]
+    default = "splits=auto,block_n=64,warps=4,stages=2"
+    best = min(times, key=times.get)
+    shape = f"B={B}, {ws_tokens}-token working set, 1 row"
+    for name in dict.fromkeys((default, best)):
+        s, bn, nw, ns = (x.split("=")[1] for x in name.split(","))
+        add("sparse_decode_attention" + (" (default)" if name == default else " (fastest of the sweep)"),
+            f"{shape} ({name})",
+            lambda s=s, bn=bn, nw=nw, ns=ns: sparse_decode_attention(
+                q, ws_k, ws_v, ids, rws, seq, None, num_splits=None if s == "auto" else int(s), block_n=int(bn),
+                num_warps=int(nw), num_stages=int(ns)), nbytes, "hbm")
 
 
 def finish(rows, raw, ceil, out) -> int:

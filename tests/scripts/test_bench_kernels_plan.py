@@ -49,3 +49,18 @@ def test_the_scoring_section_times_bf16_and_int8_summaries_on_valid_inputs():
     assert w8.shape == w16.shape == (2, 8, 8) and torch.equal(f8, f16)       # the same forced blocks
     agree = (w8[..., :, None] == w16[..., None, :]).any(-1).float().mean()
     assert agree > 0.8, f"int8 summaries rounded outwards pick mostly the bf16 top-K ({agree:.2f})"
+
+
+def test_the_attention_section_sweeps_launches_that_keep_the_result():
+    """Each launch of the sweep is checked against the default launch before it is timed; the
+    default and the fastest are timed (on CPU: called once, at a tiny shape)."""
+    seen, add = _recorder()
+    raw = {}
+    sweep = ((None, 64, 4, 2), (2, 32, 4, 2), (4, 64, 8, 3))
+    bench_kernels.attention_section(add, raw, B=2, ws_tokens=128, dev="cpu", sweep=sweep)
+    res = raw["attention_section"]["B=2, 128-token working set"]
+    assert list(res) == ["splits=auto,block_n=64,warps=4,stages=2", "splits=2,block_n=32,warps=4,stages=2",
+                         "splits=4,block_n=64,warps=8,stages=3"]
+    assert all(v == 0.0 for v in res.values()), res          # none changed the result
+    o, _ = seen["sparse_decode_attention (default)"]
+    assert o.shape == (2, 1, 32, 128) and bool(torch.isfinite(o).all())
