@@ -45,6 +45,29 @@ NO_KERNEL = {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_str
 SYNC = {"_local_scalar_dense", "nonzero", "item", "equal", "is_nonzero"}
 
 
+def host_copy(name: str, args, kwargs: dict, out) -> str | None:
+    """The host sync an ATen copy between host and device makes (CUDA's rules; a non-CPU device
+    of any type counts, so ``meta`` tensors test this on a CPU): ``"h2d_pageable"`` for a copy
+    from pageable host memory or a blocking one (``cpu_tensor.to(cuda)``), ``"d2h"`` for a copy to
+    the host (``.cpu()``); ``None`` otherwise (a non-blocking copy from page-locked memory,
+    ``core.devcopy.to_device``, does not wait). ``torch.tensor(list, device=cuda)`` never reaches
+    a dispatch mode: on CUDA the profiler's ``Memcpy HtoD (Pageable -> Device)`` events count it
+    (``main``)."""
+    t = out if isinstance(out, torch.Tensor) else None
+    if name not in ("_to_copy", "copy_") or not args or not isinstance(args[0], torch.Tensor):
+        return None
+    src, dst = (args[1], args[0]) if name == "copy_" else (args[0], t)
+    if not isinstance(src, torch.Tensor) or dst is None:
+        return None
+    if src.device.type == "cpu" and dst.device.type != "cpu":
+        pinned = src.is_pinned() if torch.cuda.is_available() else False
+        blocking = not (kwargs.get("non_blocking") or (name == "copy_" and len(args) > 2 and args[2]))
+        return "h2d_pageable" if blocking or not pinned else None
+    if src.device.type != "cpu" and dst.device.type == "cpu":
+        return "d2h"
+    return None
+
+
 class _Count(TorchDispatchMode):
     """ATen ops that would launch a CUDA kernel (views and allocations excluded), and host syncs."""
 
@@ -59,6 +82,10 @@ class _Count(TorchDispatchMode):
         name = func.overloadpacket.__name__
         if name in SYNC:
             self.syncs[name] += 1
+        else:
+            kind = host_copy(name, args, kwargs or {}, out)
+            if kind:
+                self.syncs[kind] += 1
         if name in NO_KERNEL or func.is_view or name.startswith("_local_scalar"):
             return out
         if name == "_to_copy" and args and isinstance(args[0], torch.Tensor):
@@ -103,13 +130,42 @@ def build(args, dev):
     rt[1:] = (bs + torch.arange(B, device=dev)[:, None] * per + torch.arange(per, device=dev)[None]).int()
     rows = torch.arange(1, B + 1, device=dev)
     T = B * C
-    loc = torch.cat([rt[r, :C] for r in range(1, B + 1)]).long()
-    for l in range(L):                    # prefill: host tier, summaries, first step predicted
-        k, v = torch.randn(T, H, D, device=dev, dtype=dt), torch.randn(T, H, D, device=dev, dtype=dt)
-        eng.write_kv(l, loc, k, v)
-        eng.extend_attention(l, torch.randn(T, H * G, D, device=dev, dtype=dt), rows, torch.zeros(B, dtype=torch.int64, device=dev),
-                             torch.full((B,), C, device=dev), rt, None, k_new=k, v_new=v)
+    prefill(eng, rt, rows, args, dev, dt)()
     return eng, rt, rows, dt
+
+
+def prefill(eng, rt, rows, args, dev, dt):
+    """A prefill forward of ``--batch`` prompts of ``--context`` tokens, as SGLang's glue calls it
+    (the host lengths given: ``extend_attention(host=...)``): per sparse layer the host tier and
+    summaries (``write_kv``), the attention and the first decode step's prediction. Returns a
+    function that runs it (its inputs made now, outside any counted region)."""
+    H, G, D = args.kv_heads, args.group, args.head_dim
+    B, C, L = args.batch, args.context, args.layers
+    T = B * C
+    loc = torch.cat([rt[r, :C] for r in range(1, B + 1)]).long()
+    x = [(torch.randn(T, H, D, device=dev, dtype=dt), torch.randn(T, H, D, device=dev, dtype=dt),
+          torch.randn(T, H * G, D, device=dev, dtype=dt)) for _ in range(L)]
+    pre, ext = torch.zeros(B, dtype=torch.int64, device=dev), torch.full((B,), C, device=dev)
+    host = (rows.tolist(), [0] * B, [C] * B)
+
+    def run():
+        for l, (k, v, q) in enumerate(x):
+            eng.write_kv(l, loc, k, v)
+            eng.extend_attention(l, q, rows, pre, ext, rt, None, k_new=k, v_new=v, host=host)
+    return run
+
+
+def cuda_syncs(events) -> Counter:
+    """Host syncs in a CUDA profile: copies from or to pageable host memory (CUDA stages them
+    synchronously: the host waits for the stream) and explicit synchronize calls."""
+    out = Counter()
+    for e in events:
+        n = e.name
+        if n.startswith("Memcpy") and "Pageable" in n:
+            out["h2d_pageable" if "HtoD" in n else "d2h_pageable"] += 1
+        elif n in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize"):
+            out[n] += 1
+    return out
 
 
 def main() -> int:
@@ -128,9 +184,14 @@ def main() -> int:
     ap.add_argument("--dense", action="store_true",
                     help="the dense path's captured step (short contexts: no selection, kernel 9's update) "
                          "instead of the full path's (graph mode only; --context + --steps must fit --budget)")
+    ap.add_argument("--prefill", action="store_true",
+                    help="count a prefill forward (write_kv + extend_attention of each sparse layer, SGLang's host "
+                         "lengths given) instead of decode steps; on CUDA its host syncs are what a prefill waits for")
     ap.add_argument("--out", default="out/count_launches")
     args = ap.parse_args()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.prefill and (args.dense or args.eager):
+        ap.error("--prefill counts a prefill forward: leave out --dense and --eager")
     if args.dense and args.eager:
         ap.error("--dense counts the captured dense step: leave out --eager")
     if args.dense and args.context + args.steps + 2 > args.budget:
@@ -163,6 +224,12 @@ def main() -> int:
             eng.write_kv(l, loc, k, v, decode=True)
             eng.decode_attention(l, q, k, v, None)
 
+    if args.prefill:       # count prefill forwards instead (the build's was the warm-up)
+        def inputs():
+            return prefill(eng, rt, rows, args, dev, dt)
+
+        def step(x):
+            x()
     step(inputs())                                    # warm-up (first step, compiles on CUDA)
     per_step = []
     for s in range(args.steps):
@@ -171,12 +238,15 @@ def main() -> int:
             from torch.profiler import ProfilerActivity, profile
 
             torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
                 step(x)
                 torch.cuda.synchronize()
-            ops = Counter(e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+            evs = prof.events()
+            ops = Counter(e.name for e in evs if e.device_type == torch.autograd.DeviceType.CUDA
                           and not e.name.startswith(("Memcpy", "Memset")))
-            per_step.append((ops, Counter()))
+            syncs = cuda_syncs(evs)
+            syncs["cudaDeviceSynchronize"] -= 1          # the profile's own, above
+            per_step.append((ops, +syncs))
         else:
             c = _Count()
             undo = _patch_interpreter(c) if args.kernels == "triton" else (lambda: None)
@@ -188,14 +258,15 @@ def main() -> int:
             per_step.append((c.ops, c.syncs))
     ops, syncs = per_step[-1]
     total = sum(ops.values())
-    mode = "eager" if args.eager else "graph mode"
-    lines = [f"# Kernel launches per OasisKV decode step ({dev}, {args.kernels} kernels, {mode})", "",
+    mode = "prefill" if args.prefill else "eager" if args.eager else "graph mode"
+    what = "prefill forward" if args.prefill else "decode step"
+    lines = [f"# Kernel launches per OasisKV {what} ({dev}, {args.kernels} kernels, {mode})", "",
              f"`python scripts/count_launches.py {' '.join(os.sys.argv[1:])}`: batch {B}, {L} sparse layers, "
              f"`previous` predictor, fetch_cap {args.fetch_cap}"
              + (", the dense path (short contexts)" if args.dense else "") + ".", "",
-             f"**{total / L:.1f} kernel launches per sparse layer** ({total} per step), "
-             f"{sum(syncs.values())} host syncs per step.", "",
-             "| op | per step | per sparse layer |", "|---|---|---|"]
+             f"**{total / L:.1f} kernel launches per sparse layer** ({total} per {what}), "
+             f"{sum(syncs.values())} host syncs per {what}.", "",
+             f"| op | per {what} | per sparse layer |", "|---|---|---|"]
     for name, n in ops.most_common():
         lines.append(f"| {name} | {n} | {n / L:.1f} |")
     if syncs:

@@ -529,8 +529,10 @@ class OasisSparseKV:
             # blocks these tokens went into reach the host tier only: a resident copy (a block
             # admitted empty as the next token's, or by an earlier chunk) is stale from here on
             self.pipe.wait(li)
+            # (host lists reach the device through page-locked staging, devcopy.to_device:
+            # ``torch.tensor(list, device=cuda)`` would wait for the queued forward, a host sync)
             self.ws.drop_blocks_from(li, rows.to(self.device, torch.int64),
-                                     torch.tensor([p // self.bs for p in pre_c], device=self.device))
+                                     to_device([p // self.bs for p in pre_c], self.device))
         keep = [i for i, e in enumerate(ext_c) if e > 0]        # rows with new tokens (SGLang sends no others)
         if li == 0 and keep:
             # their working sets were just cut back: no earlier prediction (or dense path mark)
@@ -538,13 +540,13 @@ class OasisSparseKV:
             self.record.forget([rows_c[i] for i in keep])
         if self.predictor.asynchronous and keep and not self.bench.skip_prefetch:
             # the first decode step's working set, predicted from the last prompt token's query
-            ends = torch.tensor(ext_c, device=self.device).cumsum(0) - 1
-            sel = torch.tensor(keep, device=self.device)
+            ends = to_device(ext_c, self.device).cumsum(0) - 1
+            sel = to_device(keep, self.device)
             seq_next_h = [pre_c[i] + ext_c[i] + 1 for i in keep]
             rtt = req_to_token if req_to_token.device == self.device else req_to_token.to(self.device)
             self.pipe.wait(li)
             self.stages.launch(li, q[ends[sel]].view(len(keep), -1, self.head_dim),
-                               rows.to(self.device, torch.int64)[sel], torch.tensor(seq_next_h, device=self.device),
+                               rows.to(self.device, torch.int64)[sel], to_device(seq_next_h, self.device),
                                rtt, -(-max(seq_next_h) // self.bs), self._clock + 1)
             if li == 0:
                 self.record.mirror([rows_c[i] for i in keep], seq_next_h)

@@ -64,12 +64,12 @@ def select_blocks(scores: torch.Tensor, num_blocks: torch.Tensor, num_complete: 
     forced = forced_mask(num_blocks, NB, sink_blocks, recent_blocks)[:, None, :].expand(B, H, NB)
     j = torch.arange(NB, device=scores.device)[None, None, :]
     cand = (j < num_complete[:, None, None]) & ~forced
-    neg = torch.tensor(float("-inf"), device=scores.device)
+    neg = float("-inf")          # Python scalars: torch.where takes them as kernel arguments (no host copy)
     # candidate scores are finite (NaN lowest, +-inf clamped), so forced blocks (+inf) always
     # rank first and blocks outside the candidates (-inf) last, whatever the query holds
     fmax = torch.finfo(torch.float32).max
     cs = torch.nan_to_num(scores.float(), nan=-3.0e38, posinf=fmax, neginf=-fmax)
-    s = torch.where(forced, torch.tensor(float("inf"), device=scores.device), torch.where(cand, cs, neg))
+    s = torch.where(forced, float("inf"), torch.where(cand, cs, neg))
     order_vals, order = torch.sort(s, dim=-1, descending=True, stable=True)
     kk = min(k, NB)
     top_v, top = order_vals[..., :kk], order[..., :kk]

@@ -123,6 +123,32 @@ def test_prefill_with_host_lengths_reads_no_length_back_and_equals_the_device_pa
                              host=([1, 2], [0], [4]))
 
 
+def test_prefill_builds_no_device_tensor_from_host_values_in_place(seed, monkeypatch):
+    """On CUDA ``torch.tensor(list, device=cuda)`` is a copy from pageable memory: the host
+    waits for the whole queued forward first (a sync per call; four per sparse layer of every
+    prefill until 2026-12-06). The prefill must stage host lists through ``devcopy.to_device``
+    instead: no ``torch.tensor`` / ``torch.as_tensor`` call with a device during
+    ``extend_attention`` (SGLang's host lengths given, the asynchronous predictor on)."""
+    H, D, Hq = 2, 8, 6
+    rt = torch.zeros(4, 256, dtype=torch.int32)
+    locs = _paged_locs(40)
+    rt[1, :40] = locs
+    eng = _engine(budget=32, predictor="previous")
+    eng.write_kv(1, locs, torch.randn(40, H, D), torch.randn(40, H, D))
+    calls = []
+    for name in ("tensor", "as_tensor"):
+        real = getattr(torch, name)
+
+        def spy(*a, _real=real, _name=name, **k):
+            if k.get("device") is not None:
+                calls.append((_name, k["device"]))
+            return _real(*a, **k)
+        monkeypatch.setattr(torch, name, spy)
+    eng.extend_attention(1, torch.randn(40, Hq, D), torch.tensor([1]), torch.empty(1, device="meta"),
+                         torch.empty(1, device="meta"), rt, None, host=([1], [0], [40]))
+    assert calls == [], f"device tensors built from host values in the prefill: {calls}"
+
+
 @pytest.mark.parametrize("predictor", ["current", "previous"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_sparse_equals_dense_when_working_set_covers_context(seed, dtype, predictor):

@@ -38,3 +38,41 @@ def test_decode_step_launches_and_host_syncs(tmp_path, mode):
     # the decode token's summary fold runs in the append's launch (kernel 7 with ``fold``)
     assert "triton._write_kv_kernel" not in res["ops"], res["ops"]
     assert (tmp_path / "launches.md").read_text().startswith("# Kernel launches")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="counts ATen dispatches under the Triton interpreter")
+def test_prefill_forward_launches_and_host_syncs(tmp_path):
+    """``--prefill`` counts a prefill forward as SGLang's glue makes it (host lengths given): on
+    CPU its only host reads are kernel 1's ``nonzero`` (one per sparse layer; on CUDA the scan
+    path replaces it), none from the lengths or the first step's prediction."""
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "count_launches.py"), "--prefill", "--layers", "3",
+                        "--steps", "2", "--out", str(tmp_path)], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads((tmp_path / "launches.json").read_text())
+    assert res["mode"] == "prefill" and res["steady"]
+    assert res["syncs"] == {"nonzero": 3}, res["syncs"]
+    assert res["ops"]["triton._write_kv_kernel"] == 3 and res["ops"]["triton._plan_transfer_kernel"] == 3, res["ops"]
+    assert "prefill forward" in (tmp_path / "launches.md").read_text()
+
+
+def test_host_copies_are_counted_as_syncs():
+    """The counter's copy rule on ``meta`` tensors (a device other than the host's): a blocking
+    copy from pageable memory and a copy back to the host are syncs; work on one device is not."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import count_launches as cl
+
+    c = cl._Count()
+    with c:
+        torch.zeros(3).to("meta")                       # pageable host -> device, blocking
+        torch.zeros(3) + 1                              # host only
+        torch.empty(2, device="meta") * 2               # device only
+    assert dict(c.syncs) == {"h2d_pageable": 1}, dict(c.syncs)
+    dev, host = torch.empty(2, device="meta"), torch.empty(2)
+    assert cl.host_copy("_to_copy", (dev,), {"device": "cpu"}, host) == "d2h"          # .cpu(): meta has no data
+    assert cl.host_copy("copy_", (host, dev), {}, host) == "d2h"
+    assert cl.host_copy("copy_", (dev, host), {}, dev) == "h2d_pageable"
+    assert cl.host_copy("_to_copy", (dev,), {}, torch.empty(2, device="meta")) is None
+    assert cl.cuda_syncs([type("E", (), {"name": n}) for n in (
+        "Memcpy HtoD (Pageable -> Device)", "Memcpy HtoD (Pinned -> Device)", "Memcpy DtoH (Device -> Pageable)",
+        "cudaStreamSynchronize", "triton_kernel")]) == {"h2d_pageable": 1, "d2h_pageable": 1, "cudaStreamSynchronize": 1}
