@@ -41,7 +41,14 @@ class TritonKVOps(BaseKVOps):
         import os
 
         # grid of copy_blocks (-1: one per two SMs, 0: one program per piece); env OASIS_COPY_PROGRAMS
-        self.copy_programs = int(os.environ.get("OASIS_COPY_PROGRAMS", -1)) if copy_programs is None else copy_programs
+        if copy_programs is None:
+            raw = os.environ.get("OASIS_COPY_PROGRAMS", "").strip() or "-1"
+            try:
+                copy_programs = int(raw)
+            except ValueError:
+                raise ValueError(f"OASIS_COPY_PROGRAMS={raw!r}: want an integer (0: one program per piece; "
+                                 f"unset: the default grid)") from None
+        self.copy_programs = copy_programs
         # kernel 9 was exact-tested under the interpreter only when it landed (no GPU that session):
         # None until its first launch worked; False after a first launch failed (the reference then)
         self.dense_plan_kernel_ok: bool | None = None

@@ -156,16 +156,25 @@ def prefill(eng, rt, rows, args, dev, dt):
 
 
 def cuda_syncs(events) -> Counter:
-    """Host syncs in a CUDA profile: copies from or to pageable host memory (CUDA stages them
-    synchronously: the host waits for the stream) and explicit synchronize calls."""
-    out = Counter()
+    """Host syncs in a CUDA profile: the synchronize calls, and the copies from or to pageable
+    host memory that made none. PyTorch's blocking copies (``.item()``, ``.cpu()``,
+    ``torch.tensor(list, device=cuda)``: ``c10::cuda::memcpy_and_sync``) are a memcpy followed by
+    ``cudaStreamSynchronize``, so such a pair counts once, as its synchronize call; a pageable
+    copy beyond the synchronize calls (staged by CUDA itself) counts on its own."""
+    syncs, copies = Counter(), Counter()
     for e in events:
         n = e.name
         if n.startswith("Memcpy") and "Pageable" in n:
-            out["h2d_pageable" if "HtoD" in n else "d2h_pageable"] += 1
+            copies["h2d_pageable" if "HtoD" in n else "d2h_pageable"] += 1
         elif n in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize"):
-            out[n] += 1
-    return out
+            syncs[n] += 1
+    extra = sum(copies.values()) - syncs["cudaStreamSynchronize"]
+    for kind in ("h2d_pageable", "d2h_pageable"):
+        take = min(copies[kind], max(0, extra))
+        if take:
+            syncs[kind] += take
+            extra -= take
+    return syncs
 
 
 def main() -> int:

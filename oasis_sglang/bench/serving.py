@@ -160,6 +160,8 @@ def host_requests_for(ctx: int, host_gib: float, kv_dtype: str = "auto") -> int:
     96 GiB (before 2026-12-06 the benchmark charged all 36 layers, 40). Raises ValueError (naming
     --host-gib) when not even one fits."""
     per = tier_bytes_per_token(kv_dtype)
+    if not math.isfinite(host_gib * 2**30):
+        raise ValueError(f"--host-gib {host_gib:g} is too large to size a host tier")
     n = int(host_gib * 2**30 // (ctx * per))
     if n < 1:
         raise ValueError(f"--host-gib {host_gib:g} holds no request of {ctx} tokens "
@@ -480,6 +482,11 @@ def start_server(args: list[str], log_path: Path, a, ablate: bool = False, churn
 SERVER_ENV = ("OASIS_SPEC_OVERLAP", "OASIS_COPY_PROGRAMS", "OASIS_DECODE_LOG_INTERVAL")   # recorded when set
 
 
+def server_env() -> dict:
+    """The experiment variables (``SERVER_ENV``) set in this process, which every server inherits."""
+    return {k: os.environ[k] for k in SERVER_ENV if os.environ.get(k)}
+
+
 def run_one(run: Run, a, out: Path, srv=None) -> dict:
     """Benchmark ``run``; its figures (``error`` when it failed).
 
@@ -490,7 +497,7 @@ def run_one(run: Run, a, out: Path, srv=None) -> dict:
     base = {"key": run.key, "system": run.system, "input_len": run.input_len, "output_len": run.output_len,
             "batch": run.batch, "pool": run.pool, "fetch_cap": run.fetch_cap, "host_requests": run.host_requests,
             "churn": run.churn, "kv_dtype": run.kv_dtype, "date": time.strftime("%Y-%m-%d %H:%M")}
-    env = {k: os.environ[k] for k in SERVER_ENV if os.environ.get(k)}
+    env = server_env()
     if env:
         base["env"] = env           # experiments the servers inherit (not part of the run's key)
     t0 = time.time()
@@ -650,6 +657,8 @@ def tables(results: list[dict], a) -> str:
             ratio = (r["decode_tok_s"] / dense["decode_tok_s"]
                      if dense and dense.get("decode_tok_s") and r.get("decode_tok_s") else None)
             key = r["key"] if r["key"].startswith(suite + "/") or suite != "fetch-cap" else f"{r['key']} (cap {r.get('fetch_cap')})"
+            if r.get("env"):
+                key += " (" + ", ".join(f"{k}={v}" for k, v in r["env"].items()) + ")"
             md.append(f"| {key} | {'-' if r.get('max_running') is None else r['max_running']} | {_f(r.get('decode_tok_s'))} | "
                       f"{_f(r.get('step_ms'), 2)} | {_f(r.get('output_tok_s'))} | {_f(r.get('median_tpot_ms'), 2)} | "
                       f"{_f((r.get('median_ttft_ms') or 0) / 1e3 if r.get('median_ttft_ms') else None)} | "
@@ -804,7 +813,10 @@ def estimate_run_s(run: Run, took: dict, prompt_tokens: dict, start_s: float | N
 
 def same_run(res: dict, run: Run) -> bool:
     """Whether a stored result measured ``run`` as planned now (same system, lengths, batch, pool,
-    fetch cap and host tier), so ``--resume`` may skip it."""
+    fetch cap and host tier; for oasis runs also the same experiment variables, ``server_env``),
+    so ``--resume`` may skip it."""
+    if run.system.startswith("oasis") and res.get("env", {}) != server_env():
+        return False
     return all(res.get(f, RUN_DEFAULTS.get(f)) == getattr(run, f) for f in RUN_FIELDS)
 
 

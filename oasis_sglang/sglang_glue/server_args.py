@@ -303,11 +303,14 @@ def _overlap_args(args, spec: bool, cpu: bool = False) -> None:
     Raises:
         OasisConfigError: ``OASIS_SPEC_OVERLAP`` is set to something other than ``0`` or ``1``.
     """
-    flag = os.environ.get("OASIS_SPEC_OVERLAP", "0")
+    flag = os.environ.get("OASIS_SPEC_OVERLAP", "") or "0"           # empty: unset
     if flag not in ("0", "1"):
         raise OasisConfigError(f"OASIS_SPEC_OVERLAP={flag!r}: want 1 (keep SGLang's overlap scheduler with a draft "
                                f"model, an experiment) or 0 (the default: off with a draft)")
-    if spec and flag != "1":
+    if spec and flag == "1" and cpu:
+        logger.info("OasisKV: OASIS_SPEC_OVERLAP=1 has no effect on the CPU engine (SGLang 0.5.17 has no overlap "
+                    "scheduler for speculative decoding there)")
+    if spec and (flag != "1" or cpu):
         if not getattr(args, "disable_overlap_schedule", True):
             logger.info("OasisKV: disabling the overlap scheduler (speculative paired forward)")
         args.disable_overlap_schedule = True

@@ -758,3 +758,27 @@ def test_a_run_records_the_experiments_its_server_inherits(bench, monkeypatch, t
     assert r["env"] == {"OASIS_SPEC_OVERLAP": "1"} and r["error"].startswith("start failed: RuntimeError")
     monkeypatch.delenv("OASIS_SPEC_OVERLAP")
     assert "env" not in bench.run_one(run, _args(bench), tmp_path)
+
+
+def test_resume_remeasures_an_oasis_run_whose_experiment_variables_changed(bench, monkeypatch):
+    """--resume keeps a stored oasis run only when it ran with the experiment variables set now
+    (an A/B of OASIS_SPEC_OVERLAP into one --out must measure both halves); dense runs are not
+    affected by them. The tables name a run's variables."""
+    runs = {r.key: r for r in bench.plan("short", _args(bench))}
+    o, d = runs["short/1024/oasis"], runs["short/1024/dense"]
+    stored = lambda r, **extra: {f: getattr(r, f) for f in bench.RUN_FIELDS} | {"key": r.key} | extra  # noqa: E731
+    monkeypatch.delenv("OASIS_SPEC_OVERLAP", raising=False)
+    monkeypatch.delenv("OASIS_COPY_PROGRAMS", raising=False)
+    monkeypatch.delenv("OASIS_DECODE_LOG_INTERVAL", raising=False)
+    assert bench.same_run(stored(o), o)
+    assert not bench.same_run(stored(o, env={"OASIS_SPEC_OVERLAP": "1"}), o)
+    assert bench.same_run(stored(d, env={"OASIS_SPEC_OVERLAP": "1"}), d)
+    monkeypatch.setenv("OASIS_SPEC_OVERLAP", "1")
+    assert bench.same_run(stored(o, env={"OASIS_SPEC_OVERLAP": "1"}), o) and not bench.same_run(stored(o), o)
+    md = bench.tables([stored(o, env={"OASIS_SPEC_OVERLAP": "1"}, decode_tok_s=100.0, max_running=8)], _args(bench))
+    assert "| short/1024/oasis (OASIS_SPEC_OVERLAP=1) | 8 | 100.0 |" in md
+
+
+def test_host_gib_too_large_to_size_is_refused_naming_the_flag(bench):
+    with pytest.raises(ValueError, match="--host-gib 1e\\+300 is too large"):
+        bench.host_requests_for(16704, 1e300)

@@ -214,6 +214,14 @@ def test_overlap_with_a_draft_only_when_asked(monkeypatch):
     a = SimpleNamespace(disable_overlap_schedule=False)
     _overlap_args(a, spec=True, cpu=False)
     assert a.disable_overlap_schedule
+    monkeypatch.setenv("OASIS_SPEC_OVERLAP", "")             # empty: unset
+    a = SimpleNamespace(disable_overlap_schedule=False)
+    _overlap_args(a, spec=True, cpu=False)
+    assert a.disable_overlap_schedule
+    monkeypatch.setenv("OASIS_SPEC_OVERLAP", "1")            # the CPU engine: SGLang has none with a draft
+    a = SimpleNamespace(disable_overlap_schedule=False)
+    _overlap_args(a, spec=True, cpu=True)
+    assert a.disable_overlap_schedule
     monkeypatch.setenv("OASIS_SPEC_OVERLAP", "yes")
     with pytest.raises(OasisConfigError, match="OASIS_SPEC_OVERLAP='yes'"):
         _overlap_args(SimpleNamespace(disable_overlap_schedule=False), spec=True, cpu=False)

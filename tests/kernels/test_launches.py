@@ -73,6 +73,10 @@ def test_host_copies_are_counted_as_syncs():
     assert cl.host_copy("copy_", (host, dev), {}, host) == "d2h"
     assert cl.host_copy("copy_", (dev, host), {}, dev) == "h2d_pageable"
     assert cl.host_copy("_to_copy", (dev,), {}, torch.empty(2, device="meta")) is None
-    assert cl.cuda_syncs([type("E", (), {"name": n}) for n in (
-        "Memcpy HtoD (Pageable -> Device)", "Memcpy HtoD (Pinned -> Device)", "Memcpy DtoH (Device -> Pageable)",
-        "cudaStreamSynchronize", "triton_kernel")]) == {"h2d_pageable": 1, "d2h_pageable": 1, "cudaStreamSynchronize": 1}
+    ev = lambda *names: [type("E", (), {"name": n}) for n in names]  # noqa: E731
+    # PyTorch's blocking copy: a memcpy and its cudaStreamSynchronize count once
+    assert cl.cuda_syncs(ev("Memcpy HtoD (Pageable -> Device)", "cudaStreamSynchronize",
+                            "Memcpy HtoD (Pinned -> Device)", "triton_kernel")) == {"cudaStreamSynchronize": 1}
+    # a pageable copy without a synchronize call of its own still counts
+    assert cl.cuda_syncs(ev("Memcpy HtoD (Pageable -> Device)", "Memcpy DtoH (Device -> Pageable)",
+                            "cudaStreamSynchronize")) == {"cudaStreamSynchronize": 1, "h2d_pageable": 1}

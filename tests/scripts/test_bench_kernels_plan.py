@@ -64,3 +64,18 @@ def test_the_attention_section_sweeps_launches_that_keep_the_result():
     assert all(v == 0.0 for v in res.values()), res          # none changed the result
     o, _ = seen["sparse_decode_attention (default)"]
     assert o.shape == (2, 1, 32, 128) and bool(torch.isfinite(o).all())
+
+
+def test_the_attention_section_reports_a_launch_that_fails_and_goes_on():
+    """A launch that does not compile (``block_n`` 48: not a power of two) is reported in the raw
+    results and the sweep times the others; a working set that is not whole blocks is refused."""
+    import pytest
+
+    seen, add = _recorder()
+    raw = {}
+    bench_kernels.attention_section(add, raw, B=1, ws_tokens=64, dev="cpu", sweep=((None, 48, 4, 2), (None, 64, 4, 2)))
+    res = raw["attention_section"]["B=1, 64-token working set"]
+    assert res["splits=auto,block_n=48,warps=4,stages=2"].startswith("failed: ")
+    assert res["splits=auto,block_n=64,warps=4,stages=2"] == 0.0 and "sparse_decode_attention (default)" in seen
+    with pytest.raises(ValueError, match="ws_tokens 136"):
+        bench_kernels.attention_section(add, {}, B=1, ws_tokens=136, dev="cpu")
