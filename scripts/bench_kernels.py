@@ -451,8 +451,13 @@ def attention_section(add, raw, B: int, ws_tokens: int = 2048, dev: str = "cuda"
     (``None``: ``choose_splits``), ``block_n``, ``num_warps``, ``num_stages)``. Each launch's output
     is compared with the default launch's first (a launch that changes the result is reported and
     not timed); then the default and the fastest are timed through ``add``, and every timing of
-    the sweep goes to ``raw["attention_section"]``. ``dev``: "cpu" with ``TRITON_INTERPRET=1``
-    checks the section (tests)."""
+    the sweep goes to ``raw["attention_section"]`` (us per call; a launch that fails to compile
+    or changes the result is recorded as text). Bytes: ``2 * B * 8 KV heads * ws_tokens * 128 *
+    2`` (K and V in bf16, read once). ``dev``: "cpu" with ``TRITON_INTERPRET=1`` checks the section
+    (tests).
+
+    Raises:
+        ValueError: ``ws_tokens`` is not a positive multiple of the 16-token block."""
     if ws_tokens < BS or ws_tokens % BS:
         raise ValueError(f"attention_section: ws_tokens {ws_tokens} must be a positive multiple of the {BS}-token block")
     q, ws_k, ws_v, ids, rws, seq = ws_case(B, ws_tokens // BS, dev=dev)
