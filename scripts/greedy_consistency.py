@@ -56,13 +56,15 @@ def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(100, vocab) for _ in range(length)] for _ in range(n)]
 
 
-def greedy(url: str, ids: list[int], n: int, timeout: float) -> list[int]:
-    """The server's greedy continuation of ``ids``: ``n`` token ids (EOS ignored)."""
+def greedy(url: str, ids: list[int], n: int, timeout: float) -> tuple[list[int], list[float]]:
+    """The server's greedy continuation of ``ids``: ``n`` token ids (EOS ignored) and their
+    log-probabilities (a different selection changes these even where the token stays)."""
     r = requests.post(url + "/generate", json={
         "input_ids": ids, "return_logprob": True,
         "sampling_params": {"temperature": 0, "max_new_tokens": n, "ignore_eos": True}}, timeout=timeout)
     r.raise_for_status()
-    return [t[1] for t in r.json()["meta_info"]["output_token_logprobs"]]
+    out = r.json()["meta_info"]["output_token_logprobs"]
+    return [t[1] for t in out], [t[0] for t in out]
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
@@ -116,9 +118,11 @@ def main(argv=None) -> int:
                 print(f"variant {env}: the server did not start: {e}", file=sys.stderr)
                 return 2
             try:
-                ids = []
+                ids, lps = [], []
                 for j, p in enumerate(ps):
-                    ids.append(greedy(srv.url, p, a.output_len, a.timeout))
+                    i_, l_ = greedy(srv.url, p, a.output_len, a.timeout)
+                    ids.append(i_)
+                    lps.append(l_)
                     print(f"variant {env}: prompt {j}: {ids[-1][:8]}...", flush=True)
                 lines = [ln for ln in srv.log().splitlines() if "OasisKV decode:" in ln]
             finally:
@@ -129,13 +133,19 @@ def main(argv=None) -> int:
                     os.environ.pop(k, None)
                 else:
                     os.environ[k] = v
-        results.append({"env": env, "ids": ids, "oasis_line": lines[-1] if lines else None})
+        results.append({"env": env, "ids": ids, "logprobs": lps, "oasis_line": lines[-1] if lines else None})
     diffs = [[first_difference(results[0]["ids"][j], r["ids"][j]) for j in range(len(ps))] for r in results[1:]]
+    # log-probabilities of the tokens both chose (up to the first differing token): bitwise equal
+    # when the same blocks were attended with the same kernels
+    lp_diff = [max((abs(x - y) for j in range(len(ps)) for x, y in zip(results[0]["logprobs"][j], r["logprobs"][j])),
+                   default=0.0) for r in results[1:]]
     (out / "greedy.json").write_text(json.dumps({"args": args, "input_len": a.input_len, "output_len": a.output_len,
-                                                 "variants": results, "first_difference": diffs}, indent=1))
-    same = all(d is None for row in diffs for d in row)
-    for r, row in zip(results[1:], diffs):
-        print(f"{r['env']} vs {results[0]['env']}: first differing token per prompt: {row}")
+                                                 "variants": results, "first_difference": diffs,
+                                                 "max_logprob_diff": lp_diff}, indent=1))
+    same = all(d is None for row in diffs for d in row) and all(x == 0.0 for x in lp_diff)
+    for r, row, lp in zip(results[1:], diffs, lp_diff):
+        print(f"{r['env']} vs {results[0]['env']}: first differing token per prompt: {row}; "
+              f"largest log-probability difference: {lp:.3g}")
     print("greedy_consistency: " + ("SAME tokens" if same else "DIFFERENT tokens"))
     return 0 if same else 1
 
