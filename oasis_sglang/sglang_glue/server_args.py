@@ -63,7 +63,8 @@ def handle_kv_sparse_args(args) -> OasisConfig:
 
     Sets ``page_size`` to ``block_size`` and the attention backend to ``torch_native`` on CPU
     when they are unset, captures only decode steps in CUDA graphs (with a draft the paired
-    verify step and the draft-extend pass; none on CPU; ``_cuda_graph_args``), keeps overlap scheduling only without a draft (``_overlap_args``),
+    verify step and the draft-extend pass; none on CPU; ``_cuda_graph_args``), keeps overlap scheduling
+    (with a draft: EAGLE3 / EAGLE / STANDALONE on a GPU outside PD; ``_overlap_args``),
     makes admission reserve prompt + max_new_tokens in the token pool (= host tier), bounds
     ``--max-running-requests`` (default 64), and stores the normalised config JSON back in
     ``args.kv_sparse_config``.
@@ -203,7 +204,7 @@ def handle_kv_sparse_args(args) -> OasisConfig:
     if args.schedule_conservativeness * init_ratio < 1.0:
         args.schedule_conservativeness = 1.01 / init_ratio
     os.environ["SGLANG_MIN_NEW_TOKEN_RATIO_FACTOR"] = "1.0"
-    _overlap_args(args, bool(spec), cpu)
+    _overlap_args(args, str(spec).upper() if spec else None, cpu, pd)
     _cuda_graph_args(args, cpu)
     if pd == "decode" and not args.disable_cuda_graph:
         why = _pd_decode_graph_blocker(cfg.pd_read_mode, predictor, bool(spec))
@@ -275,7 +276,10 @@ def _pd_args(args, mode: str, spec: bool, bad) -> None:
         bad("--disaggregation-mode", "needs the nixl package (from a checkout: pip install -c constraints.txt '.[disagg]')")
 
 
-def _overlap_args(args, spec: bool, cpu: bool = False) -> None:
+SPEC_OVERLAP_ALGORITHMS = ("EAGLE3", "EAGLE", "STANDALONE")   # SGLang's spec v2 worker: overlap on by default
+
+
+def _overlap_args(args, spec: str | None, cpu: bool = False, pd: str = "null") -> None:
     """SGLang's overlap scheduler with OasisKV (``Scheduler.event_loop_overlap``).
 
     Kept on without a draft: the scheduler prepares batch ``t+1`` on the host while batch ``t``
@@ -293,31 +297,47 @@ def _overlap_args(args, spec: bool, cpu: bool = False) -> None:
       after every prefetch stream (``OasisSparseKV.reset_rows``), so the extra step the overlap
       scheduler runs for a request that has just finished still sees its rows intact.
 
-    Turned off with a draft model unless ``OASIS_SPEC_OVERLAP=1`` (an experiment, not yet run on
-    a GPU): SGLang's overlapped speculative worker (spec v2) publishes the verify's lengths
-    mid-forward (``FutureMap.resolve_seq_lens_cpu``) and the paired forward's probe hooks are
-    tested without it; SGLang 0.5.17 refuses it on the CPU engine. Without it the host's work
-    between steps is GPU idle time: 6.74 ms of a 26.5 ms paired step at 39 x 16K on the H100
-    (docs/benchmarks/2026-12-06_h100-44-running-paired-profile.md).
+    ``spec``: the speculative algorithm (upper case) or ``None``; ``pd``: the disaggregation mode.
+    Kept on with a draft model too for the EAGLE family (``SPEC_OVERLAP_ALGORITHMS``: SGLang's
+    overlapped speculative worker, spec v2) outside PD, unless ``OASIS_SPEC_OVERLAP=0``. NGRAM
+    and a PD node with a draft keep it off unless ``OASIS_SPEC_OVERLAP=1``: neither has run with
+    it on a GPU. Why it is on: without it the host's work between steps is GPU idle time (6.69 ms
+    of a 26.0 ms paired step at 39 x 16K on the H100; with it 4.02 ms of 23.1 ms, and 1862.1
+    against 1527.9 decode tok/s; greedy tokens and their log-probabilities bitwise equal with and
+    without it at 4K, budget 1024, ``scripts/greedy_consistency.py``;
+    docs/benchmarks/2026-12-06_h100-spec-overlap.md). Spec v2 publishes the verify's lengths
+    mid-forward (``FutureMap.resolve_seq_lens_cpu``); the verify batch still gets its host lengths
+    after a wait on the previous verify's publish event, and the barrier and row-reset orderings
+    above are the same as without a draft. SGLang 0.5.17 has no overlap for speculative decoding
+    on the CPU engine, so there it stays off.
 
     Raises:
         OasisConfigError: ``OASIS_SPEC_OVERLAP`` is set to something other than ``0`` or ``1``.
     """
-    flag = os.environ.get("OASIS_SPEC_OVERLAP", "") or "0"           # empty: unset
+    explicit = bool(os.environ.get("OASIS_SPEC_OVERLAP", ""))        # empty: unset
+    flag = os.environ.get("OASIS_SPEC_OVERLAP", "") or "1"
     if flag not in ("0", "1"):
         raise OasisConfigError(f"OASIS_SPEC_OVERLAP={flag!r}: want 1 (keep SGLang's overlap scheduler with a draft "
-                               f"model, an experiment) or 0 (the default: off with a draft)")
-    if spec and flag == "1" and cpu:
-        logger.info("OasisKV: OASIS_SPEC_OVERLAP=1 has no effect on the CPU engine (SGLang 0.5.17 has no overlap "
-                    "scheduler for speculative decoding there)")
-    if spec and (flag != "1" or cpu):
+                               f"model; the default for EAGLE3 / EAGLE / STANDALONE outside PD) or 0 (off with a draft)")
+    if spec and cpu:
         if not getattr(args, "disable_overlap_schedule", True):
-            logger.info("OasisKV: disabling the overlap scheduler (speculative paired forward)")
+            logger.info("OasisKV: disabling the overlap scheduler (speculative paired forward on the CPU engine: "
+                        "SGLang 0.5.17 has no overlap scheduler for speculative decoding there)")
         args.disable_overlap_schedule = True
         return
-    if spec and not getattr(args, "disable_overlap_schedule", False):
-        logger.warning("OasisKV: OASIS_SPEC_OVERLAP=1: the overlap scheduler stays on with the speculative paired "
-                       "forward (an experiment, not validated on a GPU)")
+    on = flag == "1" if explicit else (spec in SPEC_OVERLAP_ALGORITHMS and pd == "null")
+    if spec and not on:
+        if not getattr(args, "disable_overlap_schedule", True):
+            why = "OASIS_SPEC_OVERLAP=0" if explicit else (
+                f"{spec}: not run with it on a GPU; OASIS_SPEC_OVERLAP=1 keeps it" if pd == "null"
+                else f"a PD {pd} node with a draft: not run with it on a GPU; OASIS_SPEC_OVERLAP=1 keeps it")
+            logger.info("OasisKV: disabling the overlap scheduler (speculative paired forward, %s)", why)
+        args.disable_overlap_schedule = True
+        return
+    if spec and (spec not in SPEC_OVERLAP_ALGORITHMS or pd != "null") \
+            and not getattr(args, "disable_overlap_schedule", False):
+        logger.warning("OasisKV: OASIS_SPEC_OVERLAP=1: the overlap scheduler stays on with %s%s (not run with it "
+                       "on a GPU)", spec, "" if pd == "null" else f" on a PD {pd} node")
     if not getattr(args, "disable_overlap_schedule", False):
         # (on the CPU engine the forward is synchronous: SGLang's barrier stays as it decides there)
         for var in ("SGLANG_FORCE_COARSE_WAR_BARRIER",) + (() if cpu else ("SGLANG_ENABLE_WAR_BARRIER",)):

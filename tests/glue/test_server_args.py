@@ -185,46 +185,48 @@ def test_overlap_barrier_on_a_gpu(monkeypatch):
 
     monkeypatch.setenv("SGLANG_ENABLE_WAR_BARRIER", "0")
     monkeypatch.delenv("SGLANG_FORCE_COARSE_WAR_BARRIER", raising=False)
-    a = SimpleNamespace(disable_overlap_schedule=False)
-    _overlap_args(a, spec=False, cpu=False)
-    assert not a.disable_overlap_schedule
-    assert os.environ["SGLANG_ENABLE_WAR_BARRIER"] == os.environ["SGLANG_FORCE_COARSE_WAR_BARRIER"] == "1"
-    a = SimpleNamespace(disable_overlap_schedule=False)
-    _overlap_args(a, spec=True, cpu=False)
-    assert a.disable_overlap_schedule
+    monkeypatch.delenv("OASIS_SPEC_OVERLAP", raising=False)
+    for spec in (None, "EAGLE3"):
+        a = SimpleNamespace(disable_overlap_schedule=False)
+        _overlap_args(a, spec=spec, cpu=False)
+        assert not a.disable_overlap_schedule
+        assert os.environ["SGLANG_ENABLE_WAR_BARRIER"] == os.environ["SGLANG_FORCE_COARSE_WAR_BARRIER"] == "1"
+        monkeypatch.setenv("SGLANG_ENABLE_WAR_BARRIER", "0")
 
 
-def test_overlap_with_a_draft_only_when_asked(monkeypatch):
-    """OASIS_SPEC_OVERLAP=1 keeps SGLang's overlap scheduler with a draft (and its barrier);
-    --disable-overlap-schedule still wins; any value but 0 / 1 is refused, naming the variable."""
+def test_overlap_with_a_draft_by_algorithm_and_variable(monkeypatch):
+    """With a draft on a GPU the overlap scheduler stays on for the EAGLE family outside PD (and
+    its barrier is set), off for NGRAM and on PD nodes; OASIS_SPEC_OVERLAP=0 / 1 turns it off / on
+    for any of them; --disable-overlap-schedule still wins; the CPU engine keeps it off; any
+    value but 0 / 1 is refused, naming the variable."""
     from types import SimpleNamespace
 
     from oasis_sglang.config import OasisConfigError
     from oasis_sglang.sglang_glue.server_args import _overlap_args
 
+    def on(spec, pd="null", cpu=False, disabled=False):
+        a = SimpleNamespace(disable_overlap_schedule=disabled)
+        _overlap_args(a, spec, cpu, pd)
+        return not a.disable_overlap_schedule
+
     monkeypatch.delenv("SGLANG_FORCE_COARSE_WAR_BARRIER", raising=False)
-    monkeypatch.setenv("OASIS_SPEC_OVERLAP", "1")
-    a = SimpleNamespace(disable_overlap_schedule=False)
-    _overlap_args(a, spec=True, cpu=False)
-    assert not a.disable_overlap_schedule and os.environ["SGLANG_FORCE_COARSE_WAR_BARRIER"] == "1"
-    a = SimpleNamespace(disable_overlap_schedule=True)
-    _overlap_args(a, spec=True, cpu=False)
-    assert a.disable_overlap_schedule
+    for unset in (None, ""):                                 # empty: unset
+        if unset is None:
+            monkeypatch.delenv("OASIS_SPEC_OVERLAP", raising=False)
+        else:
+            monkeypatch.setenv("OASIS_SPEC_OVERLAP", unset)
+        assert on("EAGLE3") and on("EAGLE") and on("STANDALONE") and on(None)
+        assert os.environ["SGLANG_FORCE_COARSE_WAR_BARRIER"] == "1"
+        assert not on("NGRAM") and not on("EAGLE3", pd="decode") and not on("EAGLE3", pd="prefill")
+        assert not on("EAGLE3", cpu=True) and not on("EAGLE3", disabled=True)
     monkeypatch.setenv("OASIS_SPEC_OVERLAP", "0")
-    a = SimpleNamespace(disable_overlap_schedule=False)
-    _overlap_args(a, spec=True, cpu=False)
-    assert a.disable_overlap_schedule
-    monkeypatch.setenv("OASIS_SPEC_OVERLAP", "")             # empty: unset
-    a = SimpleNamespace(disable_overlap_schedule=False)
-    _overlap_args(a, spec=True, cpu=False)
-    assert a.disable_overlap_schedule
-    monkeypatch.setenv("OASIS_SPEC_OVERLAP", "1")            # the CPU engine: SGLang has none with a draft
-    a = SimpleNamespace(disable_overlap_schedule=False)
-    _overlap_args(a, spec=True, cpu=True)
-    assert a.disable_overlap_schedule
+    assert not on("EAGLE3") and not on("STANDALONE") and on(None)          # (without a draft: unchanged)
+    monkeypatch.setenv("OASIS_SPEC_OVERLAP", "1")
+    assert on("EAGLE3") and on("NGRAM") and on("EAGLE3", pd="decode")
+    assert not on("EAGLE3", cpu=True) and not on("NGRAM", disabled=True)
     monkeypatch.setenv("OASIS_SPEC_OVERLAP", "yes")
     with pytest.raises(OasisConfigError, match="OASIS_SPEC_OVERLAP='yes'"):
-        _overlap_args(SimpleNamespace(disable_overlap_schedule=False), spec=True, cpu=False)
+        _overlap_args(SimpleNamespace(disable_overlap_schedule=False), "EAGLE3", False)
 
 
 def test_overlap_scheduler_can_still_be_turned_off(model):
