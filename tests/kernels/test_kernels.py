@@ -276,7 +276,10 @@ def _ws_case(B, H, G, KS, bs, D, Dv, dtype, NQ):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("NQ", [1, 2])
-def test_sparse_decode_attention_matches_reference(seed, dtype, NQ):
+@pytest.mark.parametrize("block_n", [16, 128])
+def test_sparse_decode_attention_matches_reference(seed, dtype, NQ, block_n):
+    """Tiles of 2 blocks, and of 16 (the GPU default's 128 tokens: more than the 12 slots, so
+    the one tile is partly masked)."""
     B, H, G, KS, bs, D, Dv = 3, 2, 3, 12, 8, 32, 32
     q, ws_k, ws_v, ids, rows, seq = _ws_case(B, H, G, KS, bs, D, Dv, dtype, NQ)
     kx = vx = None
@@ -284,7 +287,7 @@ def test_sparse_decode_attention_matches_reference(seed, dtype, NQ):
         kx, vx = torch.randn(B, H, D).to(dtype).to(DEV), torch.randn(B, H, Dv).to(dtype).to(DEV)
     for splits in (1, 2, 5):
         o, lse = sparse_decode_attention(q, ws_k, ws_v, ids, rows, seq, 0.17, kx, vx, return_lse=True,
-                                         num_splits=splits, block_n=16)
+                                         num_splits=splits, block_n=block_n)
         ro, rl = REF.sparse_decode_attention(q.float(), ws_k.float(), ws_v.float(), ids, rows, seq, 0.17,
                                              None if kx is None else kx.float(),
                                              None if vx is None else vx.float(), return_lse=True)
@@ -292,6 +295,20 @@ def test_sparse_decode_attention_matches_reference(seed, dtype, NQ):
         err = ((o.float() - ro).norm() / ro.norm()).item()
         assert err < ATTN_RTOL[dtype], (splits, err)
         assert torch.allclose(lse, rl, atol=5e-2 if dtype == torch.bfloat16 else 1e-2), (lse - rl).abs().max()
+
+
+def test_the_default_tile_is_128_tokens_only_where_shared_memory_holds_it():
+    """``default_block_n``: bf16 / fp8 at head size 128 on an H100 / H200 (227 KiB) and an A100
+    (163 KiB) take 128; an A10 / L4 (99 KiB), float32 on the H100 (256 KiB of tiles) and three
+    stages of bf16 on the A100 keep 64; no device (CPU, the interpreter) keeps 64."""
+    from oasis_sglang.kernels.sparse_decode import default_block_n
+
+    h100, a100, l4 = 227 * 1024, 163 * 1024, 99 * 1024
+    assert default_block_n(h100, 128, 128, 2) == 128 and default_block_n(a100, 128, 128, 2) == 128
+    assert default_block_n(h100, 128, 128, 1) == 128
+    assert default_block_n(l4, 128, 128, 2) == 64 and default_block_n(h100, 128, 128, 4) == 64
+    assert default_block_n(a100, 128, 128, 2, num_stages=3) == 64
+    assert default_block_n(None, 128, 128, 2) == 64 and default_block_n(None, 32, 32, 1) == 64
 
 
 def test_sparse_decode_attention_bitwise_engine_path(seed):
