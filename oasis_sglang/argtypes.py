@@ -36,3 +36,22 @@ def unit_float(x: str) -> float:
     if not 0 <= v <= 1:          # also refuses nan
         raise argparse.ArgumentTypeError(f"{x!r} is not a number in [0, 1]")
     return v
+
+
+def transfer_budget(x: str):
+    """``transfer_budget`` as a flag value: ``auto``, ``null`` (no step budget), a link fraction
+    written with a decimal point (``0.5``) or an integer of bytes per step, as the config key
+    (``config.OasisConfig``; the range is checked there)."""
+    t = x.strip()
+    if t == "auto":
+        return "auto"
+    if t in ("null", "none", "None"):
+        return None
+    if t.isascii() and t.isdigit():
+        return int(t)
+    if "." in t:
+        v = _float(t)
+        if math.isfinite(v):
+            return v
+    raise argparse.ArgumentTypeError(f"{x!r}: want auto, null, a link fraction such as 0.5, or an integer of bytes "
+                                     f"per step")

@@ -62,7 +62,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from ..argtypes import positive_float, positive_int
+from ..argtypes import positive_float, positive_int, transfer_budget
 from ..config import OasisConfig
 from ..sglang_glue.log_line import parse_decode_counters
 from ..testing.launch import launch, oasis_args
@@ -139,6 +139,7 @@ class Run:
     host_requests: int | None = None
     churn: str | None = None          # oasis: a churn profile replayed (OASIS_CHURN, core/churn.py)
     kv_dtype: str = "auto"            # SGLang's --kv-cache-dtype (dense and oasis alike)
+    transfer_budget: object = "auto"  # oasis: the config's transfer_budget ("auto", a link fraction, bytes, None)
 
 
 def kv_bytes_per_token(kv_dtype: str = "auto") -> int:
@@ -226,6 +227,10 @@ def plan(suite: str, a) -> list[Run]:
         out = [dataclasses.replace(r, churn=str(a.churn)) if r.system.startswith("oasis") else r for r in out]
     if kvd != "auto":       # its own keys: an fp8 run never replaces a stored bf16 one (--resume) or meets its dense
         out = [dataclasses.replace(r, kv_dtype=kvd, key=f"{r.key}@{kvd}") for r in out]
+    tb = getattr(a, "transfer_budget", "auto")
+    if tb != "auto":        # oasis runs at another step budget: their own keys too (dense runs are unchanged)
+        out = [dataclasses.replace(r, transfer_budget=tb, key=f"{r.key}@tb={'null' if tb is None else tb}")
+               if r.system.startswith("oasis") else r for r in out]
     if suite == "all":       # the context sweep repeats the throughput runs at 16K and 32K: measure once
         seen, uniq = {}, []
         for r in out:
@@ -259,6 +264,8 @@ def system_args(run: Run, a) -> list[str]:
             cfg["fetch_cap"] = run.fetch_cap
         if a.predictor:
             cfg["predictor"] = a.predictor
+        if run.transfer_budget != "auto":
+            cfg["transfer_budget"] = run.transfer_budget
         args += oasis_args(**cfg)
         if not name.endswith("eagle3"):
             args += ["--cuda-graph-max-bs", str(max(8, run.batch))]
@@ -496,7 +503,8 @@ def run_one(run: Run, a, out: Path, srv=None) -> dict:
     field ``profile``, table ``profile_<run>.md``)."""
     base = {"key": run.key, "system": run.system, "input_len": run.input_len, "output_len": run.output_len,
             "batch": run.batch, "pool": run.pool, "fetch_cap": run.fetch_cap, "host_requests": run.host_requests,
-            "churn": run.churn, "kv_dtype": run.kv_dtype, "date": time.strftime("%Y-%m-%d %H:%M")}
+            "churn": run.churn, "kv_dtype": run.kv_dtype, "transfer_budget": run.transfer_budget,
+            "date": time.strftime("%Y-%m-%d %H:%M")}
     env = server_env()
     if env:
         base["env"] = env           # experiments the servers inherit (not part of the run's key)
@@ -635,7 +643,8 @@ def tables(results: list[dict], a) -> str:
     md = [f"Qwen3-8B-shaped dummy (random weights: speed only), {gpu_name()}; oasis budget {a.budget}, predictor "
           f"{a.predictor or 'default'}, {'eager' if a.eager else 'decode CUDA graphs'}; dense KV pool "
           f"--mem-fraction-static {dense_80gb_mem_fraction()} (80 GB GPU) where marked 80gb; oasis host tier "
-          f"{a.host_gib} GiB unless sized to the batch; KV cache dtype {getattr(a, 'kv_dtype', 'auto')}."
+          f"{a.host_gib} GiB unless sized to the batch; KV cache dtype {getattr(a, 'kv_dtype', 'auto')}; transfer "
+          f"budget {getattr(a, 'transfer_budget', 'auto')}."
           + (f" Oasis predictions replay the churn profile {a.churn} (OASIS_CHURN, core/churn.py)."
              if getattr(a, "churn", None) else " Random-weight churn (about the whole cap every step)."), ""]
     # "H2D GB/s over the step": the step's admitted bytes over the whole step time (how much of the
@@ -785,8 +794,9 @@ def load_results(jpath: Path) -> tuple[list[dict], dict]:
 NUMERIC_FIELDS = ("input_len", "output_len", "batch", "fetch_cap", "max_running", "decode_tok_s", "step_ms",
                   "output_tok_s", "median_tpot_ms", "median_ttft_ms", "h2d_mb_per_step", "h2d_gb_s", "hit_rate",
                   "admitted_per_head_step", "hbm_gb_per_step", "hbm_tb_s", "hbm_of_peak", "link_gb_s")
-RUN_FIELDS = ("system", "input_len", "output_len", "batch", "pool", "fetch_cap", "host_requests", "churn", "kv_dtype")
-RUN_DEFAULTS = {"kv_dtype": "auto"}      # fields results stored before the field existed were measured with
+RUN_FIELDS = ("system", "input_len", "output_len", "batch", "pool", "fetch_cap", "host_requests", "churn", "kv_dtype",
+              "transfer_budget")
+RUN_DEFAULTS = {"kv_dtype": "auto", "transfer_budget": "auto"}      # fields results stored before the field existed were measured with
 
 
 def estimate_run_s(run: Run, took: dict, prompt_tokens: dict, start_s: float | None, default: float) -> float:
@@ -848,6 +858,10 @@ def main() -> int:
                     help="SGLang's --kv-cache-dtype for dense and oasis alike (fp8: half the bytes per token, so "
                          "--host-gib holds twice the requests and the 80 GB dense pool twice the tokens)")
     ap.add_argument("--fetch-cap", type=positive_int, default=None, help="oasis fetch_cap (default: the config's)")
+    ap.add_argument("--transfer-budget", type=transfer_budget, default="auto",
+                    help="oasis transfer_budget: auto (the config's default: 0.8 of the link over the step's compute "
+                         "time), a link fraction such as 0.5, an integer of bytes per step, or null (fetch_cap "
+                         "alone); runs at another value than auto get their own keys (@tb=...)")
     ap.add_argument("--fetch-caps", type=positive_int, nargs="+", default=[1, 2, 4, 8, 16], help="fetch-cap suite values")
     ap.add_argument("--predictor", default="previous", choices=["previous", "lookahead", "current"],
                     help="oasis predictor (previous: the asynchronous pipeline without a draft model)")
@@ -877,11 +891,11 @@ def main() -> int:
     if not 0 <= a.profile_steps <= 64:
         ap.error(f"--profile-steps must be 0 (off) to 64, got {a.profile_steps}")
     try:                  # the oasis servers would each refuse a bad budget or cap at start-up
-        OasisConfig(budget_tokens=a.budget, fetch_cap=a.fetch_cap)
+        OasisConfig(budget_tokens=a.budget, fetch_cap=a.fetch_cap, transfer_budget=a.transfer_budget)
         for c in a.fetch_caps:
             OasisConfig(budget_tokens=a.budget, fetch_cap=c)
     except ValueError as e:
-        ap.error(f"--budget / --fetch-cap(s): {e}")
+        ap.error(f"--budget / --fetch-cap(s) / --transfer-budget: {e}")
     if a.churn is not None and not a.churn:
         ap.error("--churn: empty file name")
     if a.churn:
@@ -925,7 +939,7 @@ def main() -> int:
     if (a.resume or a.plot_only) and jpath.exists():
         results, stored = load_results(jpath)
         if a.plot_only:                   # the table header describes the stored runs
-            for k in ("budget", "predictor", "eager", "host_gib", "churn", "kv_dtype"):
+            for k in ("budget", "predictor", "eager", "host_gib", "churn", "kv_dtype", "transfer_budget"):
                 if k in stored:
                     setattr(a, k, stored[k])
     failed: set[str] = set()

@@ -21,7 +21,7 @@ def _args(bench, *argv):
 
     return argparse.Namespace(systems=None, input_len=16384, input_lens=None, output_len=256, batch=8, dense_batch=32,
                            host_gib=72.0, budget=2048, fetch_cap=None, fetch_caps=[1, 2, 4, 8, 16],
-                           predictor="previous", eager=False, churn=None, kv_dtype="auto")
+                           predictor="previous", eager=False, churn=None, kv_dtype="auto", transfer_budget="auto")
 
 
 def test_all_plans_the_measurements_once(bench):
@@ -566,6 +566,48 @@ def test_kv_dtype_fp8_doubles_the_host_tier_requests_and_reaches_every_server(be
     assert "KV cache dtype fp8_e5m2" in (tmp_path / "bench_oasis.md").read_text()
     with pytest.raises(SystemExit):
         _main(bench, monkeypatch, "--suite", "short", "--kv-dtype", "fp4")
+
+
+def test_a_transfer_budget_reaches_the_oasis_servers_under_its_own_keys(bench, monkeypatch, tmp_path):
+    """--transfer-budget 0.5: the oasis servers' config carries it, dense runs are unchanged,
+    oasis runs are keyed KEY@tb=0.5 and compared with the plain dense run; --resume measures
+    them beside stored runs without the field (those were "auto"); a bad value is refused."""
+    import argparse
+    import json
+
+    from oasis_sglang.argtypes import transfer_budget
+
+    assert transfer_budget("auto") == "auto" and transfer_budget("null") is None
+    assert transfer_budget("0.5") == 0.5 and isinstance(transfer_budget("0.5"), float)
+    assert transfer_budget("400000000") == 400000000 and isinstance(transfer_budget("400000000"), int)
+    for bad in ("half", "-1", "1e9", "nan."):
+        with pytest.raises(argparse.ArgumentTypeError, match="want auto, null"):
+            transfer_budget(bad)
+    a = _args(bench)
+    a.transfer_budget = 0.5
+    runs = {r.key: r for r in bench.plan("short", a)}
+    assert sorted(runs) == ["short/1024/dense", "short/1024/oasis@tb=0.5"]
+    cfg = bench.system_args(runs["short/1024/oasis@tb=0.5"], a)
+    assert json.loads(cfg[cfg.index("--kv-sparse-config") + 1])["transfer_budget"] == 0.5
+    plain = bench.system_args({r.key: r for r in bench.plan("short", _args(bench))}["short/1024/oasis"], _args(bench))
+    assert "transfer_budget" not in json.loads(plain[plain.index("--kv-sparse-config") + 1])
+    a.transfer_budget = None
+    assert "short/1024/oasis@tb=null" in {r.key for r in bench.plan("short", a)}
+    calls = _fake_runs(bench, monkeypatch)
+    out = str(tmp_path)
+    assert _main(bench, monkeypatch, "--suite", "short", "--out", out) == 0
+    rows = json.loads((tmp_path / "bench_oasis.json").read_text())["results"]
+    for r in rows:                       # results stored before the field existed were "auto"
+        del r["transfer_budget"]
+    (tmp_path / "bench_oasis.json").write_text(json.dumps({"args": {}, "results": rows}))
+    assert _main(bench, monkeypatch, "--suite", "short", "--out", out, "--resume", "--transfer-budget", "0.5") == 0
+    assert calls == ["short/1024/dense", "short/1024/oasis", "short/1024/oasis@tb=0.5"]
+    by = {r["key"]: r for r in json.loads((tmp_path / "bench_oasis.json").read_text())["results"]}
+    assert by["short/1024/oasis@tb=0.5"]["transfer_budget"] == 0.5
+    assert bench._dense_of(by["short/1024/oasis@tb=0.5"], by)["key"] == "short/1024/dense"
+    assert "transfer budget 0.5" in (tmp_path / "bench_oasis.md").read_text()
+    with pytest.raises(SystemExit):     # the config refuses a fraction above 1
+        _main(bench, monkeypatch, "--suite", "short", "--transfer-budget", "1.5")
 
 
 def test_an_fp8_run_is_compared_with_fp8_dense_and_a_failed_rerun_keeps_the_stored_result(bench, monkeypatch, tmp_path):
