@@ -15,15 +15,18 @@ divergence. On the GPU host (``M`` / ``D``: the Qwen3-8B-shaped dummy and its EA
         --input-len 4096 --output-len 64 --prompts 4 --budget 1024 \\
         --variant OASIS_SPEC_OVERLAP=0 --variant OASIS_SPEC_OVERLAP=1 --out $OUT/greedy
 
-Writes ``<out>/greedy.json`` (per variant: token ids per prompt, the last ``OasisKV decode`` line)
-and prints, per prompt, the first position where a variant leaves the first one. Exit status 1
-when any prompt differs, 2 when a server does not start.
+Writes ``<out>/greedy.json`` (per variant: token ids and log-probabilities per prompt, the last
+``OasisKV decode`` line; written also when a variant fails) and prints, per prompt, the first
+position where a variant leaves the first one and the largest log-probability difference. Exit
+status 0 when every token and log-probability is equal, 1 when any differs, 2 on a bad argument
+or a server that does not start, 3 when a request fails.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import sys
@@ -43,10 +46,10 @@ def variant(text: str) -> dict:
     """
     out = {}
     for item in filter(None, text.split(",")):
-        if "=" not in item:
+        k, eq, v = item.partition("=")
+        if not eq or not k.strip():
             raise argparse.ArgumentTypeError(f"--variant: {item!r} is not NAME=VALUE")
-        k, v = item.split("=", 1)
-        out[k.strip()] = v
+        out[k.strip()] = v.strip()
     return out
 
 
@@ -76,12 +79,29 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
+def logprob_difference(a: list, b: list) -> float:
+    """Largest ``|a[i] - b[i]|`` over the positions both have (``0.0`` when none). A position
+    where exactly one side is NaN or missing (``None``) counts as ``inf``; both NaN or both
+    ``None`` count as equal (compared as they are, so the order of the positions never matters)."""
+    worst = 0.0
+    for x, y in zip(a, b):
+        if x is None or y is None:
+            d = 0.0 if x is None and y is None else math.inf
+        elif math.isnan(x) or math.isnan(y):
+            d = 0.0 if math.isnan(x) and math.isnan(y) else math.inf
+        else:
+            d = abs(x - y)
+        worst = max(worst, d)
+    return worst
+
+
 def main(argv=None) -> int:
     from oasis_sglang.testing.launch import launch
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--system", default="oasis-eagle3", choices=["dense", "oasis", "dense-eagle3", "oasis-eagle3"])
-    ap.add_argument("--predictor", default="lookahead", choices=["previous", "lookahead", "current"])
+    ap.add_argument("--predictor", default=None, choices=["previous", "lookahead", "current"],
+                    help="oasis predictor (default: lookahead with a draft, previous without)")
     ap.add_argument("--input-len", type=positive_int, default=4096, help="prompt tokens")
     ap.add_argument("--output-len", type=positive_int, default=64, help="tokens generated per prompt")
     ap.add_argument("--prompts", type=positive_int, default=4)
@@ -97,8 +117,14 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if len(a.variant) < 2:
         ap.error("--variant: give at least two to compare")
-    if "M" not in os.environ:
-        ap.error("set M (the model path; D too for an -eagle3 system), as .gpuhost/kit/env.sh does")
+    draft = a.system.endswith("eagle3")
+    for var in ("M",) + (("D",) if draft else ()):
+        if not os.environ.get(var):
+            ap.error(f"set {var} (the model path; D: the draft's, for an -eagle3 system), as .gpuhost/kit/env.sh does")
+    if a.predictor is None:
+        a.predictor = "lookahead" if draft else "previous"
+    if a.predictor == "lookahead" and not draft:
+        ap.error(f"--predictor lookahead needs a draft model: --system {a.system} has none (use previous or current)")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     run = Run(f"greedy/{a.input_len}/{a.system}", a.system, a.input_len, a.output_len, 1, "exact",
@@ -107,24 +133,33 @@ def main(argv=None) -> int:
     args = system_args(run, a)
     ps = prompts(a.prompts, a.input_len, a.vocab, a.seed)
     results = []
+
+    def save(diffs=None, lp_diff=None):
+        (out / "greedy.json").write_text(json.dumps({
+            "args": args, "input_len": a.input_len, "output_len": a.output_len, "variants": results,
+            "first_difference": diffs, "max_logprob_diff": lp_diff}, indent=1))
+
     for i, env in enumerate(a.variant):
         saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
+        ids, lps, lines, failed = [], [], [], None
         try:
             log = out / f"server_{i}.log"
             try:
                 srv = launch(os.environ["M"], 0, args, log, timeout=a.timeout, echo=False)
-            except Exception as e:  # noqa: BLE001 - report which variant failed
+            except Exception as e:  # noqa: BLE001 - report which variant failed, keep what was collected
                 print(f"variant {env}: the server did not start: {e}", file=sys.stderr)
+                save()
                 return 2
             try:
-                ids, lps = [], []
                 for j, p in enumerate(ps):
                     i_, l_ = greedy(srv.url, p, a.output_len, a.timeout)
                     ids.append(i_)
                     lps.append(l_)
                     print(f"variant {env}: prompt {j}: {ids[-1][:8]}...", flush=True)
                 lines = [ln for ln in srv.log().splitlines() if "OasisKV decode:" in ln]
+            except Exception as e:  # noqa: BLE001 - a failed request is not a difference
+                failed = f"{e.__class__.__name__}: {e}"
             finally:
                 srv.stop()
         finally:
@@ -133,22 +168,23 @@ def main(argv=None) -> int:
                     os.environ.pop(k, None)
                 else:
                     os.environ[k] = v
-        results.append({"env": env, "ids": ids, "logprobs": lps, "oasis_line": lines[-1] if lines else None})
+        results.append({"env": env, "ids": ids, "logprobs": lps, "oasis_line": lines[-1] if lines else None,
+                        **({"error": failed} if failed else {})})
+        if failed:
+            print(f"variant {env}: a request failed: {failed}", file=sys.stderr)
+            save()
+            return 3
     diffs = [[first_difference(results[0]["ids"][j], r["ids"][j]) for j in range(len(ps))] for r in results[1:]]
-    # log-probabilities of the tokens both chose (up to the first differing token): bitwise equal
-    # when the same blocks were attended with the same kernels
-    lp_diff = [max((abs(x - y) for j in range(len(ps)) for x, y in zip(results[0]["logprobs"][j], r["logprobs"][j])),
+    # log-probabilities at every position both outputs have (after a differing token they differ
+    # anyway): bitwise equal when the same blocks were attended with the same kernels
+    lp_diff = [max((logprob_difference(results[0]["logprobs"][j], r["logprobs"][j]) for j in range(len(ps))),
                    default=0.0) for r in results[1:]]
-    (out / "greedy.json").write_text(json.dumps({"args": args, "input_len": a.input_len, "output_len": a.output_len,
-                                                 "variants": results, "first_difference": diffs,
-                                                 "max_logprob_diff": lp_diff}, indent=1))
-    same = all(d is None for row in diffs for d in row) and all(x == 0.0 for x in lp_diff)
+    save(diffs, lp_diff)
+    same_ids = all(d is None for row in diffs for d in row)
+    same_lp = all(x == 0.0 for x in lp_diff)
     for r, row, lp in zip(results[1:], diffs, lp_diff):
         print(f"{r['env']} vs {results[0]['env']}: first differing token per prompt: {row}; "
               f"largest log-probability difference: {lp:.3g}")
-    print("greedy_consistency: " + ("SAME tokens" if same else "DIFFERENT tokens"))
-    return 0 if same else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    print("greedy_consistency: " + ("SAME tokens" if same_ids else "DIFFERENT tokens")
+          + ("" if not same_ids else ", same log-probabilities" if same_lp else ", DIFFERENT log-probabilities"))
+    return 0 if same_ids and same_lp else 1
