@@ -43,9 +43,9 @@ def transfer_budget(x: str):
     written with a decimal point (``0.5``) or an integer of bytes per step, as the config key
     (``config.OasisConfig``; the range is checked there)."""
     t = x.strip()
-    if t == "auto":
+    if t.lower() == "auto":
         return "auto"
-    if t in ("null", "none", "None"):
+    if t.lower() in ("null", "none"):
         return None
     if t.isascii() and t.isdigit():
         return int(t)

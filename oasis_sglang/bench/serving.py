@@ -229,7 +229,7 @@ def plan(suite: str, a) -> list[Run]:
         out = [dataclasses.replace(r, kv_dtype=kvd, key=f"{r.key}@{kvd}") for r in out]
     tb = getattr(a, "transfer_budget", "auto")
     if tb != "auto":        # oasis runs at another step budget: their own keys too (dense runs are unchanged)
-        out = [dataclasses.replace(r, transfer_budget=tb, key=f"{r.key}@tb={'null' if tb is None else tb}")
+        out = [dataclasses.replace(r, transfer_budget=tb, key=f"{r.key}@tb={budget_label(tb)}")
                if r.system.startswith("oasis") else r for r in out]
     if suite == "all":       # the context sweep repeats the throughput runs at 16K and 32K: measure once
         seen, uniq = {}, []
@@ -240,6 +240,33 @@ def plan(suite: str, a) -> list[Run]:
                 uniq.append(r)
         out = uniq
     return out
+
+
+def budget_label(tb) -> str:
+    """``transfer_budget`` as written in run keys and table headers: ``auto``, ``null``, a link
+    fraction (``0.5``) or bytes per step (``400000000B``: never read as a fraction)."""
+    if tb is None:
+        return "null"
+    if isinstance(tb, int) and not isinstance(tb, bool):
+        return f"{tb}B"
+    return str(tb)
+
+
+def key_suffix(key: str) -> str:
+    """The ``@...`` part of a run key (KV dtype, transfer budget), ``""`` for a plain run."""
+    return "@" + key.split("@", 1)[1] if "@" in key else ""
+
+
+def spec_overlap_now() -> str:
+    """Whether an oasis server with an EAGLE-3 draft started now keeps SGLang's overlap scheduler:
+    ``OASIS_SPEC_OVERLAP`` when set, else ``"1"`` (the default since 75e68c7)."""
+    return os.environ.get("OASIS_SPEC_OVERLAP", "").strip() or "1"
+
+
+def spec_overlap_of(res: dict) -> str:
+    """A stored oasis-eagle3 result's overlap setting: its ``spec_overlap`` field, else the
+    ``OASIS_SPEC_OVERLAP`` it recorded, else ``"0"`` (before 75e68c7 a draft turned it off)."""
+    return str(res.get("spec_overlap") or res.get("env", {}).get("OASIS_SPEC_OVERLAP") or "0")
 
 
 def system_args(run: Run, a) -> list[str]:
@@ -508,6 +535,8 @@ def run_one(run: Run, a, out: Path, srv=None) -> dict:
     env = server_env()
     if env:
         base["env"] = env           # experiments the servers inherit (not part of the run's key)
+    if run.system == "oasis-eagle3":
+        base["spec_overlap"] = spec_overlap_now()
     t0 = time.time()
     own = srv is None
     if own:
@@ -614,14 +643,17 @@ def suite_rows(results: list[dict], suite: str) -> list[dict]:
     rows += [r for r in results if r["key"].startswith(suite + "/") and "error" in r]
     thr = [r for r in results if r["key"].startswith("throughput/") and "error" not in r]
     if suite == "context" and rows:
-        have = {(r.get("system"), r.get("input_len")) for r in rows}
-        rows += [r for r in thr if (r.get("system"), r.get("input_len")) not in have]
-        rows.sort(key=lambda r: (r.get("input_len") or 0, r.get("system") or ""))
+        have = {(r.get("system"), r.get("input_len"), key_suffix(r["key"])) for r in rows}
+        rows += [r for r in thr if (r.get("system"), r.get("input_len"), key_suffix(r["key"])) not in have]
+        rows.sort(key=lambda r: (r.get("input_len") or 0, r.get("system") or "", key_suffix(r["key"])))
     elif suite == "fetch-cap" and rows:
-        have = {r.get("fetch_cap") for r in rows}
+        # the 16K throughput run at a cap the suite did not measure, with the same KV dtype and budget
+        have = {(r.get("fetch_cap"), key_suffix(r["key"])) for r in rows}
+        sfx = {key_suffix(r["key"]) for r in rows}
         rows += [r for r in thr if r.get("system") == "oasis" and r.get("input_len") == 16384
-                 and r.get("fetch_cap") is not None and r["fetch_cap"] not in have]
-        rows.sort(key=lambda r: r.get("fetch_cap") or 0)
+                 and r.get("fetch_cap") is not None and key_suffix(r["key"]) in sfx
+                 and (r["fetch_cap"], key_suffix(r["key"])) not in have]
+        rows.sort(key=lambda r: (key_suffix(r["key"]), r.get("fetch_cap") or 0))
     return rows
 
 
@@ -644,7 +676,7 @@ def tables(results: list[dict], a) -> str:
           f"{a.predictor or 'default'}, {'eager' if a.eager else 'decode CUDA graphs'}; dense KV pool "
           f"--mem-fraction-static {dense_80gb_mem_fraction()} (80 GB GPU) where marked 80gb; oasis host tier "
           f"{a.host_gib} GiB unless sized to the batch; KV cache dtype {getattr(a, 'kv_dtype', 'auto')}; transfer "
-          f"budget {getattr(a, 'transfer_budget', 'auto')}."
+          f"budget {budget_label(getattr(a, 'transfer_budget', 'auto'))}."
           + (f" Oasis predictions replay the churn profile {a.churn} (OASIS_CHURN, core/churn.py)."
              if getattr(a, "churn", None) else " Random-weight churn (about the whole cap every step)."), ""]
     # "H2D GB/s over the step": the step's admitted bytes over the whole step time (how much of the
@@ -668,6 +700,8 @@ def tables(results: list[dict], a) -> str:
             key = r["key"] if r["key"].startswith(suite + "/") or suite != "fetch-cap" else f"{r['key']} (cap {r.get('fetch_cap')})"
             if r.get("env"):
                 key += " (" + ", ".join(f"{k}={v}" for k, v in r["env"].items()) + ")"
+            if r.get("system") == "oasis-eagle3" and spec_overlap_of(r) == "0":
+                key += " (overlap scheduler off)"
             md.append(f"| {key} | {'-' if r.get('max_running') is None else r['max_running']} | {_f(r.get('decode_tok_s'))} | "
                       f"{_f(r.get('step_ms'), 2)} | {_f(r.get('output_tok_s'))} | {_f(r.get('median_tpot_ms'), 2)} | "
                       f"{_f((r.get('median_ttft_ms') or 0) / 1e3 if r.get('median_ttft_ms') else None)} | "
@@ -685,15 +719,19 @@ def tables(results: list[dict], a) -> str:
             md.append(f"| {r['key']} | {r.get('max_running')} | {r['hbm_gb_per_step']:.1f} | {r['hbm_tb_s']:.2f} | "
                       f"{'-' if not isinstance(frac, (int, float)) else f'{100 * frac:.0f}%'} |")
         md.append("")
-    st = next((r for r in results if r["key"] == "stall/16384/oasis-no-transfer" and r.get("step_ms")), None)
-    base_run = by.get("throughput/16384/oasis")
-    if st and base_run and base_run.get("step_ms"):
-        exp = 1 - st["step_ms"] / base_run["step_ms"]
+    stall = []        # each no-transfer run beside the 16K oasis run of the same KV dtype and transfer budget
+    for st in results:
+        if st.get("system") != "oasis-no-transfer" or not st["key"].startswith("stall/16384/") or not st.get("step_ms"):
+            continue
+        base_run = by.get("throughput/16384/oasis" + key_suffix(st["key"]))
+        if base_run and base_run.get("step_ms"):
+            exp = 1 - st["step_ms"] / base_run["step_ms"]
+            stall.append(f"| 16K{key_suffix(st['key'])} | {base_run.get('max_running')} / {st.get('max_running')} | "
+                         f"{base_run['step_ms']:.2f} | {st['step_ms']:.2f} | {100 * exp:.1f}% |")
+    if stall:
         md += ["### stall (exposed transfer inside SGLang's graph replays)", "",
                "| context | running | oasis step ms | without admission copies ms | exposed transfer share of the step |",
-               "|---|---|---|---|---|",
-               f"| 16K | {base_run.get('max_running')} / {st.get('max_running')} | {base_run['step_ms']:.2f} | "
-               f"{st['step_ms']:.2f} | {100 * exp:.1f}% |", ""]
+               "|---|---|---|---|---|"] + stall + [""]
     prof = [r for r in results if isinstance(r.get("profile"), dict) and "error" not in r["profile"]
             and isinstance(r["profile"].get("groups_ms"), dict)
             and all(isinstance(r["profile"].get(k), (int, float)) for k in ("running", "window_ms", "busy_frac", "idle_ms"))]
@@ -733,9 +771,11 @@ def plots(results: list[dict], out: Path) -> list[Path]:
     ctx = [r for r in results if r["key"].split("/")[0] in ("context", "throughput") and r.get("decode_tok_s")]
     if ctx:
         fig, ax = plt.subplots(figsize=(6, 4))
-        for sy in sorted({r["system"] for r in ctx}):
-            pts = sorted({r["input_len"]: r["decode_tok_s"] for r in ctx if r["system"] == sy}.items())
-            ax.plot([p[0] / 1024 for p in pts], [p[1] for p in pts], marker="o", label=sy)
+        # one line per system and key suffix (KV dtype, transfer budget): runs of another setting never mix
+        for sy in sorted({(r["system"], key_suffix(r["key"])) for r in ctx}):
+            pts = sorted({r["input_len"]: r["decode_tok_s"] for r in ctx
+                          if (r["system"], key_suffix(r["key"])) == sy}.items())
+            ax.plot([p[0] / 1024 for p in pts], [p[1] for p in pts], marker="o", label=sy[0] + sy[1])
         ax.set_xlabel("input length (K tokens)")
         ax.set_ylabel("decode tok/s (all running)")
         ax.set_title("Decode throughput vs context (80 GB-equivalent KV pool)")
@@ -744,7 +784,8 @@ def plots(results: list[dict], out: Path) -> list[Path]:
         made.append(out / "context_sweep.png")
         fig.savefig(made[-1], dpi=120)
         plt.close(fig)
-    fc = [r for r in suite_rows(results, "fetch-cap") if r.get("decode_tok_s") and r.get("fetch_cap")]
+    fc = [r for r in suite_rows(results, "fetch-cap") if r.get("decode_tok_s") and r.get("fetch_cap")
+          and not key_suffix(r["key"])]         # the plot: the plain runs (the tables show the others)
     if fc:
         fig, ax = plt.subplots(figsize=(6.5, 4))
         caps = [r["fetch_cap"] for r in fc]
@@ -826,6 +867,8 @@ def same_run(res: dict, run: Run) -> bool:
     fetch cap and host tier; for oasis runs also the same experiment variables, ``server_env``),
     so ``--resume`` may skip it."""
     if run.system.startswith("oasis") and res.get("env", {}) != server_env():
+        return False
+    if run.system == "oasis-eagle3" and spec_overlap_of(res) != spec_overlap_now():
         return False
     return all(res.get(f, RUN_DEFAULTS.get(f)) == getattr(run, f) for f in RUN_FIELDS)
 

@@ -580,6 +580,7 @@ def test_a_transfer_budget_reaches_the_oasis_servers_under_its_own_keys(bench, m
     assert transfer_budget("auto") == "auto" and transfer_budget("null") is None
     assert transfer_budget("0.5") == 0.5 and isinstance(transfer_budget("0.5"), float)
     assert transfer_budget("400000000") == 400000000 and isinstance(transfer_budget("400000000"), int)
+    assert transfer_budget("Auto") == "auto" and transfer_budget("NULL") is None
     for bad in ("half", "-1", "1e9", "nan."):
         with pytest.raises(argparse.ArgumentTypeError, match="want auto, null"):
             transfer_budget(bad)
@@ -608,6 +609,51 @@ def test_a_transfer_budget_reaches_the_oasis_servers_under_its_own_keys(bench, m
     assert "transfer budget 0.5" in (tmp_path / "bench_oasis.md").read_text()
     with pytest.raises(SystemExit):     # the config refuses a fraction above 1
         _main(bench, monkeypatch, "--suite", "short", "--transfer-budget", "1.5")
+
+
+def test_a_stored_eagle3_run_from_before_the_overlap_default_is_measured_again(bench, monkeypatch):
+    """The breaker's case: an oasis-eagle3 result stored without OASIS_SPEC_OVERLAP was measured
+    with the overlap scheduler off (the default before 75e68c7); --resume with the variable unset
+    (now: on) must not take it for a run of today's default, and its table row says so."""
+    import argparse
+
+    monkeypatch.delenv("OASIS_SPEC_OVERLAP", raising=False)
+    a = _args(bench)
+    a.systems, a.predictor = ["oasis-eagle3"], "lookahead"
+    run = bench.plan("paired", a)[0]
+    stored = {f: getattr(run, f) for f in bench.RUN_FIELDS} | {"key": run.key}
+    assert bench.spec_overlap_of(stored) == "0" and not bench.same_run(stored, run)
+    assert bench.same_run(stored | {"spec_overlap": "1"}, run)
+    monkeypatch.setenv("OASIS_SPEC_OVERLAP", "1")          # recorded as env by the third session's A/B
+    assert bench.same_run(stored | {"env": {"OASIS_SPEC_OVERLAP": "1"}}, run)
+    monkeypatch.setenv("OASIS_SPEC_OVERLAP", "0")
+    assert not bench.same_run(stored | {"env": {"OASIS_SPEC_OVERLAP": "1"}}, run)
+    dense = bench.plan("paired", argparse.Namespace(**{**vars(a), "systems": ["dense-eagle3"]}))[0]
+    assert bench.same_run({f: getattr(dense, f) for f in bench.RUN_FIELDS}, dense), "dense: SGLang's own default"
+    md = bench.tables([stored | {"decode_tok_s": 1527.9, "max_running": 39},
+                       stored | {"key": run.key + "x", "decode_tok_s": 1862.1, "spec_overlap": "1"}], a)
+    assert f"| {run.key} (overlap scheduler off) |" in md and f"| {run.key}x |" in md
+
+
+def test_runs_at_another_budget_keep_their_stall_row_and_their_own_fetch_cap_rows(bench):
+    """The breaker's cases: the stall table pairs the no-transfer run with the 16K oasis run of the
+    same key suffix (it vanished with --transfer-budget); the fetch-cap rows take in only the
+    throughput run of their own suffix (the context plot draws one line per system and suffix
+    by the same ``key_suffix``); an integer budget's key says bytes."""
+    a = _args(bench)
+    a.transfer_budget = 400000000
+    assert "short/1024/oasis@tb=400000000B" in {r.key for r in bench.plan("short", a)}
+    r = lambda key, system, **kw: {"key": key, "system": system, "input_len": 16384, "decode_tok_s": 100.0,  # noqa: E731
+                                    "max_running": 40, **kw}
+    res = [r("throughput/16384/oasis", "oasis", step_ms=20.0, fetch_cap=8),
+           r("throughput/16384/oasis@tb=0.5", "oasis", step_ms=16.0, fetch_cap=8),
+           r("stall/16384/oasis-no-transfer@tb=0.5", "oasis-no-transfer", step_ms=12.0),
+           r("fetch-cap/2", "oasis", fetch_cap=2)]
+    md = bench.tables(res, a)
+    assert "| 16K@tb=0.5 | 40 / 40 | 16.00 | 12.00 | 25.0% |" in md
+    assert [x["key"] for x in bench.suite_rows(res, "fetch-cap")] == ["fetch-cap/2", "throughput/16384/oasis"]
+    assert bench.key_suffix("context/16384/oasis@fp8_e4m3@tb=0.5") == "@fp8_e4m3@tb=0.5"
+    assert bench.key_suffix("context/16384/oasis") == ""
 
 
 def test_an_fp8_run_is_compared_with_fp8_dense_and_a_failed_rerun_keeps_the_stored_result(bench, monkeypatch, tmp_path):
