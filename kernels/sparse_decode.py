@@ -177,25 +177,25 @@ def choose_splits(B: int, H: int, KS: int, block_e: int, device: torch.device) -
     return max(1, min(tiles, triton.cdiv(4 * num_sms(device), max(1, B * H))))
 
 
-def default_block_n(smem_optin: int | None, D: int, Dv: int, elt: int, num_stages: int = 2) -> int:
-    """Tokens per stage-1 tile: 128 where ``num_stages`` K and V tiles of 128 tokens (``128 * (D +
-    Dv) * elt`` bytes each stage) fit the device's opt-in shared memory per block
-    (``smem_optin`` bytes, 16 KiB kept for the rest), else 64; 64 without a device (``None``: CPU,
-    the interpreter). On the H100 at 2,048-token working sets (D = Dv = 128, bf16, 2 stages:
-    128 KiB of 227 KiB) 128 took 119.1 / 125.0 us per call against 64's 133.0 / 136.5 at 40 / 43
-    requests, the same at 8 and 120 (``scripts/bench_kernels.py --only attention``,
-    docs/benchmarks/2026-12-06_h100-spec-overlap.md); an A10 / L4 (99 KiB) keeps 64."""
-    if smem_optin is None:
+def default_block_n(capability: tuple[int, int] | None, D: int, Dv: int, elt: int) -> int:
+    """Tokens per stage-1 tile: 128 on Hopper (compute capability 9.x: the H100 / H200) for head
+    sizes up to 128 in 16- or 8-bit KV, else 64 (other GPUs, larger heads, fp32, CPU and the
+    interpreter: ``capability`` ``None``), where 128 has not been timed.
+
+    On the H100 at 2,048-token working sets (D = Dv = 128, bf16) 128 took 119.1 / 125.0 us per
+    call against 64's 133.0 / 136.5 at 40 / 43 requests, within 1.5% at 8 and 120
+    (``scripts/bench_kernels.py --only attention``, docs/benchmarks/2026-12-06_h100-spec-overlap.md).
+    Shared memory is no limit: Triton 3.6 compiles that tile to about 41 KiB (bf16, D 128)."""
+    if capability is None or capability[0] != 9 or max(D, Dv) > 128 or elt > 2:
         return 64
-    need = num_stages * 128 * (D + Dv) * elt + 16 * 1024
-    return 128 if need <= smem_optin else 64
+    return 128
 
 
-def _smem_optin(device: torch.device) -> int | None:
-    """The device's opt-in shared memory per block in bytes; ``None`` on CPU / the interpreter."""
+def _capability(device: torch.device) -> tuple[int, int] | None:
+    """The CUDA device's compute capability; ``None`` on CPU / under the interpreter."""
     if device.type != "cuda" or interpreting():
         return None
-    return int(getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", 48 * 1024))
+    return tuple(torch.cuda.get_device_capability(device))
 
 
 def sparse_decode_attention(q, ws_k, ws_v, ids, rows, seq_lens, scale: float | None, k_extra=None,
@@ -204,11 +204,11 @@ def sparse_decode_attention(q, ws_k, ws_v, ids, rows, seq_lens, scale: float | N
     """Triton version of :meth:`TorchKVOps.sparse_decode_attention` (same arguments and result).
 
     ``num_splits``: splits of the working set (default: ``choose_splits``); ``block_n``: tokens
-    per tile (a multiple of ``bs``; default ``default_block_n``: 128 on a GPU with the shared
-    memory for it, else 64); ``num_warps`` / ``num_stages``: stage 1's launch
+    per tile, a power of two (a tile is ``max(block_n, bs)`` tokens; default ``default_block_n``:
+    128 on Hopper, else 64); ``num_warps`` / ``num_stages``: stage 1's launch
     (``scripts/bench_kernels.py --only attention`` sweeps all four).
     Raises:
-        AssertionError: shapes, strides or dtypes do not match.
+        AssertionError: shapes, strides or dtypes do not match; ``block_n`` is not a power of two.
         IndexError: with ``OASIS_KERNEL_CHECKS=1``, a row out of range or an empty context.
     """
     B, NQ, Hq, D = q.shape
@@ -233,7 +233,9 @@ def sparse_decode_attention(q, ws_k, ws_v, ids, rows, seq_lens, scale: float | N
         check_range(rows, 0, R, "rows")
         check_range(seq_lens, 1, 1 << 62, "seq_lens")
     if block_n is None:
-        block_n = default_block_n(_smem_optin(q.device), D, Dv, ws_k.element_size(), num_stages)
+        block_n = default_block_n(_capability(q.device), D, Dv, ws_k.element_size())
+    assert isinstance(block_n, int) and block_n >= 1 and block_n & (block_n - 1) == 0, \
+        f"block_n must be a power of two (tokens per tile), got {block_n!r}"
     block_e = max(1, block_n // bs)
     nsplit = num_splits or choose_splits(B, H, KS, block_e, q.device)
     split_e = triton.cdiv(triton.cdiv(KS, nsplit), block_e) * block_e

@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from oasis_sglang.kernels.copy_blocks import copy_blocks
 from oasis_sglang.kernels.paged_attention import paged_attention
-from oasis_sglang.kernels.sparse_decode import _smem_optin, default_block_n, sparse_decode_attention
+from oasis_sglang.kernels.sparse_decode import _capability, default_block_n, sparse_decode_attention
 from oasis_sglang.kernels.topk import block_keys, select_topk, topk_from_keys
 from oasis_sglang.kernels.write_kv import write_kv
 
@@ -482,7 +482,7 @@ def attention_section(add, raw, B: int, ws_tokens: int = 2048, dev: str = "cuda"
         res[name] = times[name]
     if not times:
         return                     # every launch failed or was wrong: raw says which
-    dbn = default_block_n(_smem_optin(q.device), D, D, E)          # the launch the engine makes
+    dbn = default_block_n(_capability(q.device), D, D, E)          # the launch the engine makes
     default = f"splits=auto,block_n={dbn},warps=4,stages=2"
     best = min(times, key=times.get)
     shape = f"B={B}, {ws_tokens}-token working set, 1 row"

@@ -297,18 +297,20 @@ def test_sparse_decode_attention_matches_reference(seed, dtype, NQ, block_n):
         assert torch.allclose(lse, rl, atol=5e-2 if dtype == torch.bfloat16 else 1e-2), (lse - rl).abs().max()
 
 
-def test_the_default_tile_is_128_tokens_only_where_shared_memory_holds_it():
-    """``default_block_n``: bf16 / fp8 at head size 128 on an H100 / H200 (227 KiB) and an A100
-    (163 KiB) take 128; an A10 / L4 (99 KiB), float32 on the H100 (256 KiB of tiles) and three
-    stages of bf16 on the A100 keep 64; no device (CPU, the interpreter) keeps 64."""
+def test_the_default_tile_is_128_tokens_only_where_it_was_timed_faster():
+    """``default_block_n``: Hopper (9.0: H100 / H200) with bf16 or fp8 at head size <= 128 takes
+    128; other GPUs (8.0 A100, 8.9 L4, 10.0), larger heads, fp32 and no device keep 64; a tile
+    that is not a power of two is refused before the launch."""
     from oasis_sglang.kernels.sparse_decode import default_block_n
 
-    h100, a100, l4 = 227 * 1024, 163 * 1024, 99 * 1024
-    assert default_block_n(h100, 128, 128, 2) == 128 and default_block_n(a100, 128, 128, 2) == 128
-    assert default_block_n(h100, 128, 128, 1) == 128
-    assert default_block_n(l4, 128, 128, 2) == 64 and default_block_n(h100, 128, 128, 4) == 64
-    assert default_block_n(a100, 128, 128, 2, num_stages=3) == 64
-    assert default_block_n(None, 128, 128, 2) == 64 and default_block_n(None, 32, 32, 1) == 64
+    assert default_block_n((9, 0), 128, 128, 2) == 128 and default_block_n((9, 0), 128, 128, 1) == 128
+    assert default_block_n((9, 0), 64, 64, 2) == 128
+    for cap, D, elt in (((8, 0), 128, 2), ((8, 9), 128, 2), ((10, 0), 128, 2), ((9, 0), 256, 2), ((9, 0), 128, 4),
+                        (None, 128, 2)):
+        assert default_block_n(cap, D, D, elt) == 64, (cap, D, elt)
+    q, ws_k, ws_v, ids, rows, seq = _ws_case(2, 2, 2, 4, 16, 32, 32, torch.float32, 1)
+    with pytest.raises(AssertionError, match="block_n must be a power of two"):
+        sparse_decode_attention(q, ws_k, ws_v, ids, rows, seq, None, block_n=48)
 
 
 def test_sparse_decode_attention_bitwise_engine_path(seed):
