@@ -64,7 +64,7 @@ def handle_kv_sparse_args(args) -> OasisConfig:
     Sets ``page_size`` to ``block_size`` and the attention backend to ``torch_native`` on CPU
     when they are unset, captures only decode steps in CUDA graphs (with a draft the paired
     verify step and the draft-extend pass; none on CPU; ``_cuda_graph_args``), keeps overlap scheduling
-    (with a draft: EAGLE3 / EAGLE / STANDALONE on a GPU outside PD; ``_overlap_args``),
+    (with a draft: EAGLE3 on a GPU outside PD; ``_overlap_args``),
     makes admission reserve prompt + max_new_tokens in the token pool (= host tier), bounds
     ``--max-running-requests`` (default 64), and stores the normalised config JSON back in
     ``args.kv_sparse_config``.
@@ -276,7 +276,7 @@ def _pd_args(args, mode: str, spec: bool, bad) -> None:
         bad("--disaggregation-mode", "needs the nixl package (from a checkout: pip install -c constraints.txt '.[disagg]')")
 
 
-SPEC_OVERLAP_ALGORITHMS = ("EAGLE3", "EAGLE", "STANDALONE")   # SGLang's spec v2 worker: overlap on by default
+SPEC_OVERLAP_ALGORITHMS = ("EAGLE3",)   # with a draft, overlap on by default only where it ran on a GPU
 
 
 def _overlap_args(args, spec: str | None, cpu: bool = False, pd: str = "null") -> None:
@@ -298,10 +298,10 @@ def _overlap_args(args, spec: str | None, cpu: bool = False, pd: str = "null") -
       scheduler runs for a request that has just finished still sees its rows intact.
 
     ``spec``: the speculative algorithm (upper case) or ``None``; ``pd``: the disaggregation mode.
-    Kept on with a draft model too for the EAGLE family (``SPEC_OVERLAP_ALGORITHMS``: SGLang's
-    overlapped speculative worker, spec v2) outside PD, unless ``OASIS_SPEC_OVERLAP=0``. NGRAM
-    and a PD node with a draft keep it off unless ``OASIS_SPEC_OVERLAP=1``: neither has run with
-    it on a GPU. Why it is on: without it the host's work between steps is GPU idle time (6.69 ms
+    Kept on with an EAGLE3 draft too (``SPEC_OVERLAP_ALGORITHMS``: SGLang's overlapped speculative
+    worker, spec v2) outside PD, unless ``OASIS_SPEC_OVERLAP=0``. EAGLE, STANDALONE, NGRAM and a
+    PD node with a draft keep it off unless ``OASIS_SPEC_OVERLAP=1``: none has run with it on a
+    GPU. Why it is on: without it the host's work between steps is GPU idle time (6.69 ms
     of a 26.0 ms paired step at 39 x 16K on the H100; with it 4.02 ms of 23.1 ms, and 1862.1
     against 1527.9 decode tok/s; greedy tokens and their log-probabilities bitwise equal with and
     without it at 4K, budget 1024, ``scripts/greedy_consistency.py``;
@@ -318,7 +318,7 @@ def _overlap_args(args, spec: str | None, cpu: bool = False, pd: str = "null") -
     flag = os.environ.get("OASIS_SPEC_OVERLAP", "") or "1"
     if flag not in ("0", "1"):
         raise OasisConfigError(f"OASIS_SPEC_OVERLAP={flag!r}: want 1 (keep SGLang's overlap scheduler with a draft "
-                               f"model; the default for EAGLE3 / EAGLE / STANDALONE outside PD) or 0 (off with a draft)")
+                               f"model; the default for EAGLE3 outside PD) or 0 (off with a draft)")
     if spec and cpu:
         if not getattr(args, "disable_overlap_schedule", True):
             logger.info("OasisKV: disabling the overlap scheduler (speculative paired forward on the CPU engine: "

@@ -195,8 +195,8 @@ def test_overlap_barrier_on_a_gpu(monkeypatch):
 
 
 def test_overlap_with_a_draft_by_algorithm_and_variable(monkeypatch):
-    """With a draft on a GPU the overlap scheduler stays on for the EAGLE family outside PD (and
-    its barrier is set), off for NGRAM and on PD nodes; OASIS_SPEC_OVERLAP=0 / 1 turns it off / on
+    """With a draft on a GPU the overlap scheduler stays on for EAGLE3 outside PD (and its
+    barrier is set), off for the algorithms not run with it on a GPU and on PD nodes; OASIS_SPEC_OVERLAP=0 / 1 turns it off / on
     for any of them; --disable-overlap-schedule still wins; the CPU engine keeps it off; any
     value but 0 / 1 is refused, naming the variable."""
     from types import SimpleNamespace
@@ -215,14 +215,14 @@ def test_overlap_with_a_draft_by_algorithm_and_variable(monkeypatch):
             monkeypatch.delenv("OASIS_SPEC_OVERLAP", raising=False)
         else:
             monkeypatch.setenv("OASIS_SPEC_OVERLAP", unset)
-        assert on("EAGLE3") and on("EAGLE") and on("STANDALONE") and on(None)
+        assert on("EAGLE3") and on(None)
         assert os.environ["SGLANG_FORCE_COARSE_WAR_BARRIER"] == "1"
-        assert not on("NGRAM") and not on("EAGLE3", pd="decode") and not on("EAGLE3", pd="prefill")
+        assert not on("EAGLE") and not on("STANDALONE") and not on("NGRAM") and not on("EAGLE3", pd="decode") and not on("EAGLE3", pd="prefill")
         assert not on("EAGLE3", cpu=True) and not on("EAGLE3", disabled=True)
     monkeypatch.setenv("OASIS_SPEC_OVERLAP", "0")
     assert not on("EAGLE3") and not on("STANDALONE") and on(None)          # (without a draft: unchanged)
     monkeypatch.setenv("OASIS_SPEC_OVERLAP", "1")
-    assert on("EAGLE3") and on("NGRAM") and on("EAGLE3", pd="decode")
+    assert on("EAGLE3") and on("STANDALONE") and on("NGRAM") and on("EAGLE3", pd="decode")
     assert not on("EAGLE3", cpu=True) and not on("NGRAM", disabled=True)
     monkeypatch.setenv("OASIS_SPEC_OVERLAP", "yes")
     with pytest.raises(OasisConfigError, match="OASIS_SPEC_OVERLAP='yes'"):
