@@ -100,7 +100,10 @@ class OasisConfig:
             sparse layer; the new token's block gets a free slot once per step for all layers
             (``OasisSparseKV.begin_decode_step``). Attention is over all of each context, as
             the full path's selection would pick, and the outputs are bitwise the full path's.
-            Eager steps only for now: a captured CUDA graph replays the full path. Default true.
+            With CUDA graphs the dense path is a second decode graph of each batch size, replayed
+            when the step qualifies (``OasisSparseKV.can_capture_dense``; not with
+            ``measure_agreement``, on a PD decode node or under the benchmarks' prefetch hooks,
+            which replay the full path). Default true.
 
     Raises:
         OasisConfigError: on any invalid value, naming the key.
