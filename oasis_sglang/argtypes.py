@@ -41,7 +41,10 @@ def unit_float(x: str) -> float:
 def transfer_budget(x: str):
     """``transfer_budget`` as a flag value: ``auto``, ``null`` (no step budget), a link fraction
     written with a decimal point (``0.5``) or an integer of bytes per step, as the config key
-    (``config.OasisConfig``; the range is checked there)."""
+    (``config.OasisConfig``; the range is checked there). ``auto`` / ``null`` / ``none`` in any case.
+
+    Raises:
+        argparse.ArgumentTypeError: none of these forms (e.g. ``1e9``, ``half``, ``-1``)."""
     t = x.strip()
     if t.lower() == "auto":
         return "auto"

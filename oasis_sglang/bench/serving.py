@@ -258,9 +258,14 @@ def key_suffix(key: str) -> str:
 
 
 def spec_overlap_now() -> str:
-    """Whether an oasis server with an EAGLE-3 draft started now keeps SGLang's overlap scheduler:
-    ``OASIS_SPEC_OVERLAP`` when set, else ``"1"`` (the default since 75e68c7)."""
-    return os.environ.get("OASIS_SPEC_OVERLAP", "").strip() or "1"
+    """Whether an oasis server with an EAGLE-3 draft started now keeps SGLang's overlap scheduler,
+    ``"1"`` or ``"0"`` (``sglang_glue.server_args.spec_overlap``, the rule the server applies).
+
+    Raises:
+        OasisConfigError: ``OASIS_SPEC_OVERLAP`` is neither unset, ``0`` nor ``1``."""
+    from ..sglang_glue.server_args import spec_overlap
+
+    return "1" if spec_overlap("EAGLE3")[0] else "0"
 
 
 def spec_overlap_of(res: dict) -> str:
@@ -958,6 +963,11 @@ def main() -> int:
         runs = plan(a.suite, a)
     except ValueError as e:
         ap.error(str(e))
+    if any(r.system == "oasis-eagle3" for r in runs):
+        try:                  # every oasis-eagle3 server would refuse it at start-up
+            spec_overlap_now()
+        except ValueError as e:
+            ap.error(str(e))
     if a.only:
         unknown = set(a.only) - {r.key for r in runs}
         if unknown:

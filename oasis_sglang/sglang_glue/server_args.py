@@ -279,6 +279,29 @@ def _pd_args(args, mode: str, spec: bool, bad) -> None:
 SPEC_OVERLAP_ALGORITHMS = ("EAGLE3",)   # with a draft, overlap on by default only where it ran on a GPU
 
 
+def spec_overlap(spec: str | None, pd: str = "null") -> tuple[bool, bool]:
+    """Whether SGLang's overlap scheduler stays on with the speculative algorithm ``spec`` (upper
+    case; ``None``: no draft, always on) on a GPU in disaggregation mode ``pd``, by
+    ``OASIS_SPEC_OVERLAP`` (``"0"`` / ``"1"``; empty or unset: on for ``SPEC_OVERLAP_ALGORITHMS``
+    outside PD, off otherwise; ``_overlap_args`` has why). Also read by ``bench/serving.py`` to
+    record each run's setting.
+
+    Returns:
+        ``(on, explicit)``: ``explicit`` when the variable decided it.
+    Raises:
+        OasisConfigError: ``OASIS_SPEC_OVERLAP`` is set to something other than ``0`` or ``1``.
+    """
+    raw = os.environ.get("OASIS_SPEC_OVERLAP", "")
+    if raw not in ("", "0", "1"):
+        raise OasisConfigError(f"OASIS_SPEC_OVERLAP={raw!r}: want 1 (keep SGLang's overlap scheduler with a draft "
+                               f"model; the default for EAGLE3 outside PD) or 0 (off with a draft)")
+    if not spec:
+        return True, False
+    if raw:
+        return raw == "1", True
+    return spec in SPEC_OVERLAP_ALGORITHMS and pd == "null", False
+
+
 def _overlap_args(args, spec: str | None, cpu: bool = False, pd: str = "null") -> None:
     """SGLang's overlap scheduler with OasisKV (``Scheduler.event_loop_overlap``).
 
@@ -314,18 +337,13 @@ def _overlap_args(args, spec: str | None, cpu: bool = False, pd: str = "null") -
     Raises:
         OasisConfigError: ``OASIS_SPEC_OVERLAP`` is set to something other than ``0`` or ``1``.
     """
-    explicit = bool(os.environ.get("OASIS_SPEC_OVERLAP", ""))        # empty: unset
-    flag = os.environ.get("OASIS_SPEC_OVERLAP", "") or "1"
-    if flag not in ("0", "1"):
-        raise OasisConfigError(f"OASIS_SPEC_OVERLAP={flag!r}: want 1 (keep SGLang's overlap scheduler with a draft "
-                               f"model; the default for EAGLE3 outside PD) or 0 (off with a draft)")
+    on, explicit = spec_overlap(spec, pd)                    # (validates the variable first)
     if spec and cpu:
         if not getattr(args, "disable_overlap_schedule", True):
             logger.info("OasisKV: disabling the overlap scheduler (speculative paired forward on the CPU engine: "
                         "SGLang 0.5.17 has no overlap scheduler for speculative decoding there)")
         args.disable_overlap_schedule = True
         return
-    on = flag == "1" if explicit else (spec in SPEC_OVERLAP_ALGORITHMS and pd == "null")
     if spec and not on:
         if not getattr(args, "disable_overlap_schedule", True):
             why = "OASIS_SPEC_OVERLAP=0" if explicit else (

@@ -630,6 +630,10 @@ def test_a_stored_eagle3_run_from_before_the_overlap_default_is_measured_again(b
     assert not bench.same_run(stored | {"env": {"OASIS_SPEC_OVERLAP": "1"}}, run)
     dense = bench.plan("paired", argparse.Namespace(**{**vars(a), "systems": ["dense-eagle3"]}))[0]
     assert bench.same_run({f: getattr(dense, f) for f in bench.RUN_FIELDS}, dense), "dense: SGLang's own default"
+    monkeypatch.setenv("OASIS_SPEC_OVERLAP", " 1")        # the servers would refuse it: so does the bench, at once
+    with pytest.raises(SystemExit):
+        _main(bench, monkeypatch, "--suite", "paired", "--systems", "oasis-eagle3", "--predictor", "lookahead")
+    monkeypatch.delenv("OASIS_SPEC_OVERLAP")
     md = bench.tables([stored | {"decode_tok_s": 1527.9, "max_running": 39},
                        stored | {"key": run.key + "x", "decode_tok_s": 1862.1, "spec_overlap": "1"}], a)
     assert f"| {run.key} (overlap scheduler off) |" in md and f"| {run.key}x |" in md

@@ -219,7 +219,11 @@ def test_overlap_with_a_draft_by_algorithm_and_variable(monkeypatch):
         assert os.environ["SGLANG_FORCE_COARSE_WAR_BARRIER"] == "1"
         assert not on("EAGLE") and not on("STANDALONE") and not on("NGRAM") and not on("EAGLE3", pd="decode") and not on("EAGLE3", pd="prefill")
         assert not on("EAGLE3", cpu=True) and not on("EAGLE3", disabled=True)
+    from oasis_sglang.sglang_glue.server_args import spec_overlap
+
+    assert spec_overlap("EAGLE3") == (True, False) and spec_overlap("NGRAM") == (False, False)
     monkeypatch.setenv("OASIS_SPEC_OVERLAP", "0")
+    assert spec_overlap("EAGLE3") == (False, True) and spec_overlap(None) == (True, False)
     assert not on("EAGLE3") and not on("STANDALONE") and on(None)          # (without a draft: unchanged)
     monkeypatch.setenv("OASIS_SPEC_OVERLAP", "1")
     assert on("EAGLE3") and on("STANDALONE") and on("NGRAM") and on("EAGLE3", pd="decode")
