@@ -925,7 +925,9 @@ class DecodeSide:
             held = self.held_bytes(row, pages, tokens)
             gone = self._with_free_neighbours(pages)
             self.remote.wait_reads_into(gone)          # no read may land in memory given back
-            self.engine.host.discard(gone)
+            # only the runs of pieces that hold data (read, installed or decoded here: ``present``)
+            # cost a madvise; the rest was given back before and not written since
+            self.engine.host.discard(gone, written=self.remote.present[:, :, gone])
             if adm is not None and int(row) not in self._cut:   # (a cut-off row counts every piece as here)
                 whole = pages.numel() * self.remote.L * self.remote.H * self.engine.block_bytes
                 self.released_requests += 1

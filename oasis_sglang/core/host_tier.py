@@ -139,16 +139,32 @@ class HostTier:
         """Host bytes of all K and V buffers."""
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
-    def _ranges(self, layer_buf: torch.Tensor, pieces: torch.Tensor, piece_bytes: int):
-        """Byte ranges ``(start, end)`` of runs of consecutive pieces of one buffer."""
-        idx = torch.unique(pieces.reshape(-1).cpu().to(torch.int64))
+    @staticmethod
+    def _runs(pieces: torch.Tensor):
+        """Runs of consecutive piece numbers among ``pieces [M]`` (int64, any order, repeats
+        allowed): ``(starts [R], ends [R], run [M])``, first and last piece of each run and the
+        run of each entry of ``pieces``."""
+        idx, inv = torch.unique(pieces.reshape(-1).cpu().to(torch.int64), return_inverse=True)
         if not idx.numel():
-            return []
+            return idx, idx, inv.reshape(-1)
         cut = torch.nonzero(idx[1:] != idx[:-1] + 1).reshape(-1) + 1
-        starts = torch.cat([idx[:1], idx[cut]]).tolist()
-        ends = torch.cat([idx[cut - 1], idx[-1:]]).tolist()
+        starts, ends = torch.cat([idx[:1], idx[cut]]), torch.cat([idx[cut - 1], idx[-1:]])
+        first = torch.zeros(idx.numel(), dtype=torch.int64)
+        first[cut] = 1
+        return starts, ends, first.cumsum(0)[inv.reshape(-1)]
+
+    @staticmethod
+    def _ranges(layer_buf: torch.Tensor, runs, piece_bytes: int, written: torch.Tensor | None = None):
+        """Byte ranges ``(start, end)`` of one buffer's ``runs`` (``_runs``); with ``written``
+        (``[M]`` bool, aligned with the pieces the runs were made of) only the runs holding a
+        written piece."""
+        starts, ends, run = runs
+        if written is not None and starts.numel():
+            keep = torch.zeros(starts.numel(), dtype=torch.bool)
+            keep[run[written.reshape(-1)]] = True
+            starts, ends = starts[keep], ends[keep]
         base = layer_buf.data_ptr()
-        return [(base + a * piece_bytes, base + (b + 1) * piece_bytes) for a, b in zip(starts, ends)]
+        return [(base + a * piece_bytes, base + (b + 1) * piece_bytes) for a, b in zip(starts.tolist(), ends.tolist())]
 
     @property
     def piece_bytes(self) -> int:
@@ -164,36 +180,59 @@ class HostTier:
             yield li, self.k[li], bs * self.head_dim * self.k[li].element_size()
             yield li, self.v[li], bs * self.v_head_dim * self.v[li].element_size()
 
-    def discard(self, pages: torch.Tensor) -> int:
+    def discard(self, pages: torch.Tensor, written: torch.Tensor | None = None) -> int:
         """Give the memory of blocks ``pages [N]`` (int64 host pages, every layer and KV head)
         back to the OS. Only the OS pages wholly inside those blocks' pieces are given back (a
         piece smaller than an OS page, or not a multiple of one, shares OS pages with its
         neighbours): what was given back reads as zeros until written again, the rest keeps its
-        data. Nothing on a pinned tier (page-locked memory stays). Cost: one ``madvise`` per run
-        of consecutive pieces (about a second per 10^5 scattered pieces on the dev box).
+        data. Nothing on a pinned tier (page-locked memory stays).
+
+        Args:
+            written: ``[L, H, N]`` bool (optional), the pieces of ``pages`` that may hold data
+                (a PD decode node: ``RemoteBlocks.present``, the pieces read or written here;
+                the others were given back before and not written since). Only used when
+                every piece is a whole number of OS pages (none shares an OS page): a run of
+                consecutive pieces none of which is written is then skipped, each other run
+                is given back whole as without ``written``. So the ``madvise`` calls go from
+                one per run of consecutive pieces to one per run holding a written piece: a
+                request that read 30% of its scattered blocks costs about 30% of the calls.
+
+        Cost: one ``madvise`` per run (about a second per 10^5 scattered pieces on the dev box;
+        ``scripts/bench_discard.py``).
 
         Returns: bytes given back (an upper bound: pages never written count too).
         Raises:
-            ValueError: a page outside ``0 .. P - 1``, or pages that are not integers (a bool mask, floats).
+            ValueError: a page outside ``0 .. P - 1``, pages that are not integers (a bool mask,
+                floats), or ``written`` not a bool tensor of shape ``[L, H, N]``.
         """
         pages = torch.as_tensor(pages)
         if pages.dtype == torch.bool or pages.dtype.is_floating_point or pages.dtype.is_complex:
             raise ValueError(f"HostTier.discard: pages must be integers, got {pages.dtype}")
         pages = pages.reshape(-1).to("cpu", torch.int64)
+        if written is not None:
+            written = torch.as_tensor(written)
+            want = (self.num_layers, self.head_num, pages.numel())
+            if written.dtype != torch.bool or tuple(written.shape) != want:
+                raise ValueError(f"HostTier.discard: written must be a bool tensor of shape {list(want)}, "
+                                 f"got {written.dtype} {list(written.shape)}")
+            written = written.cpu()
         if not self.on_demand or not pages.numel():
             return 0
         if int(pages.min()) < 0 or int(pages.max()) >= self.num_pages:
             raise ValueError(f"HostTier.discard: pages must be in 0..{self.num_pages - 1}")
         P = self.num_pages
-        pieces = (torch.arange(self.head_num)[:, None] * P + pages[None, :]).reshape(-1)
+        runs = self._runs(torch.arange(self.head_num)[:, None] * P + pages[None, :])      # pieces h * P + page, h major
+        ranges = []
+        for li, buf, pb in self._buffers():
+            w = written[li].reshape(-1) if written is not None and pb % OS_PAGE == 0 else None
+            ranges += self._ranges(buf, runs, pb, w)
         libc, n = _libc(), 0
-        for _, buf, pb in self._buffers():
-            for a, b in self._ranges(buf, pieces, pb):
-                a, b = -(-a // OS_PAGE) * OS_PAGE, b // OS_PAGE * OS_PAGE
-                if b > a:
-                    if libc.madvise(a, b - a, _MADV_DONTNEED) != 0:
-                        raise OSError(ctypes.get_errno(), "HostTier.discard: madvise failed")
-                    n += b - a
+        for a, b in ranges:
+            a, b = -(-a // OS_PAGE) * OS_PAGE, b // OS_PAGE * OS_PAGE
+            if b > a:
+                if libc.madvise(a, b - a, _MADV_DONTNEED) != 0:
+                    raise OSError(ctypes.get_errno(), "HostTier.discard: madvise failed")
+                n += b - a
         return n
 
     def resident_bytes(self) -> int:

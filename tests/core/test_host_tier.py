@@ -77,6 +77,55 @@ def test_unpinned_tier_is_committed_on_demand_and_discard_gives_back_only_whole_
         ht.discard(torch.tensor([256]))
 
 
+def test_discard_with_written_skips_only_runs_without_a_written_piece(seed):
+    """``written`` (a PD decode node's ``present``): a run of consecutive pieces none of which is
+    marked written costs no ``madvise``, and its memory stays (here it was written behind the
+    mask's back, so that the skip shows); a run with one written piece goes back whole, the
+    unmarked pieces in it included. Pages 5-7 are one run per (layer, KV head); 20 and 40 are
+    runs of their own."""
+    from oasis_sglang.core.host_tier import OS_PAGE
+
+    H, D, bs, P, L = 2, 64, 16, 64, 2                     # 4 KiB pieces: one OS page each
+    ht = HostTier(L, P, bs, H, D, D, torch.float32)
+    piece = bs * D * 4
+    assert piece % OS_PAGE == 0
+    pages = torch.tensor([5, 6, 7, 20, 40])
+    for li in range(L):
+        ht.k[li][:, pages] = 1.0
+        ht.v[li][:, pages] = 1.0
+    written = torch.zeros(L, H, pages.numel(), dtype=torch.bool)
+    written[0, 0, 1] = True                               # layer 0, head 0: page 6 of the run 5-7
+    written[1, 1, 3] = True                               # layer 1, head 1: page 20
+    given = ht.discard(pages, written=written)
+    assert given == (3 + 1) * 2 * piece                   # K and V of the two runs
+    assert ht.resident_bytes() == (2 * L * H * 5 - 2 * 4) * piece    # (before reading: a read maps the zero page)
+    left = {(li, h, int(p)) for li in range(L) for h in range(H) for p in pages
+            if ht.k[li][h, p].abs().sum() > 0}
+    gone = {(0, 0, 5), (0, 0, 6), (0, 0, 7), (1, 1, 20)}
+    assert left == {(li, h, int(p)) for li in range(L) for h in range(H) for p in pages} - gone
+    # all marked: the same as no mask
+    assert ht.discard(pages, written=torch.ones(L, H, pages.numel(), dtype=torch.bool)) == 2 * L * H * 5 * piece
+    assert ht.resident_bytes() == 0
+
+
+def test_discard_ignores_written_when_pieces_share_os_pages(seed):
+    """Pieces smaller than an OS page: an unmarked piece may share an OS page with a written
+    one, so ``written`` is not used and every run is given back as without it."""
+    H, D, bs, P = 1, 8, 4, 512                            # 128 B pieces, 32 per OS page
+    ht = HostTier(1, P, bs, H, D, D, torch.float32)
+    ht.k[0][0, 32:64] = 1.0
+    assert ht.discard(torch.arange(32, 64), written=torch.zeros(1, 1, 32, dtype=torch.bool)) > 0
+    assert ht.resident_bytes() == 0 and ht.k[0][0, 32:64].abs().sum() == 0
+
+
+def test_discard_refuses_a_written_mask_of_the_wrong_shape_or_dtype():
+    ht = HostTier(2, 64, 16, 2, 64, 64, torch.float32)
+    for bad in (torch.ones(2, 2, 3, dtype=torch.bool), torch.ones(2, 2, 2, dtype=torch.int64),
+                torch.ones(1, 2, 2, dtype=torch.bool)):
+        with pytest.raises(ValueError, match="written must be a bool tensor of shape \\[2, 2, 2\\]"):
+            ht.discard(torch.tensor([3, 4]), written=bad)
+
+
 def test_discard_keeps_a_neighbour_sharing_an_os_page(seed):
     """Pieces smaller than an OS page: a freed block next to a live one is kept (its OS page is
     shared), so the live block's data survives."""

@@ -362,7 +362,7 @@ def test_release_never_gives_back_another_requests_blocks_and_rejects_masks(side
         ds.admit(r, rt[r], 16, "prefill-host", 1, 100 + r, f"req-{r}")
     given = []                                             # what release hands the host tier
     discard = dc.host.discard
-    dc.host.discard = lambda p: (given.append(p.clone()), discard(p))[1]
+    dc.host.discard = lambda p, **kw: (given.append(p.clone()), discard(p, **kw))[1]
     ds.release(1, torch.tensor([0, 1, 2, 3, 16]), tokens=16)
     assert given and 16 not in given[-1].tolist() and set(given[-1].tolist()) >= {0, 1, 2, 3}
     assert 2 in ds.rows
