@@ -915,19 +915,25 @@ class DecodeSide:
                 prompt pages.
             tokens: tokens the request held (its last block is partial when not a multiple of
                 the block size: it lived in the working set only and is not counted as held).
+        Raises:
+            ValueError: ``pages`` not integers or outside ``0 .. P - 1`` (nothing changes).
         """
         adm = self.rows.get(int(row))
+        gone = None
         if pages is not None:
             pages = _page_list(pages)
+            P = self.engine.host.num_pages
+            if pages.numel() and (int(pages.min()) < 0 or int(pages.max()) >= P):
+                raise ValueError(f"OasisKV PD: release: pages must be in 0..{P - 1}")
             others = [a.pages for r, a in self.rows.items() if r != int(row)]
             if others:           # never give back a block another admitted request holds
                 pages = pages[~torch.isin(pages, torch.cat(others))]
             held = self.held_bytes(row, pages, tokens)
             gone = self._with_free_neighbours(pages)
             self.remote.wait_reads_into(gone)          # no read may land in memory given back
-            # only the runs of pieces that hold data (read, installed or decoded here: ``present``)
-            # cost a madvise; the rest was given back before and not written since
-            self.engine.host.discard(gone, written=self.remote.present[:, :, gone])
+            # only the runs of pieces that may hold data (read, installed or decoded here, or on a
+            # dirty page: ``RemoteBlocks.written``) cost a madvise; the rest was given back before
+            self.engine.host.discard(gone, written=self.remote.written(gone))
             if adm is not None and int(row) not in self._cut:   # (a cut-off row counts every piece as here)
                 whole = pages.numel() * self.remote.L * self.remote.H * self.engine.block_bytes
                 self.released_requests += 1
@@ -952,9 +958,12 @@ class DecodeSide:
             adm = self.rows.pop(int(row), None)
             self.stale.pop(int(row), None)
             self._cut.discard(int(row))
+        if adm is not None:
+            self.remote.release(adm.pages)      # (its pages' numbers in pd_page_ids were cleared at admission)
+        if gone is not None:
+            self.remote.given_back(gone)        # (after ``release``, which marks its pages dirty)
         if adm is None:
             return
-        self.remote.release(adm.pages)          # (its pages' numbers in pd_page_ids were cleared at admission)
         if adm.peer in self.remote.lost:
             return
         try:
@@ -985,6 +994,7 @@ class DecodeSide:
             if stray.numel():
                 self.remote.wait_reads_into(stray)
                 n = host.discard(stray)
+                self.remote.given_back(stray)
                 self.swept_bytes += n
                 if n:                   # (0: blocks sharing an OS page with a held one, SGLang's padding page)
                     logger.info("OasisKV PD: idle: gave back the memory of %d free blocks still resident in the host "

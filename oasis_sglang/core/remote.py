@@ -73,7 +73,8 @@ class RemoteBlocks:
     ``src_page [P]`` int64; on ``device``: ``present_dev [L, H, P]`` bool (``present``'s copy
     the plans read; the same tensor on CPU) and ``deferred [L, H, P]`` int32 (how often a plan
     left the piece out since the last ``service``); ``inflight [L, H, P]`` bool (CPU) the pieces
-    of reads started and not yet seen ended.
+    of reads started and not yet seen ended; ``dirty [P]`` bool (CPU) pages whose host memory
+    may hold data ``present`` does not list (``written``, ``given_back``).
     """
 
     def __init__(self, num_layers: int, head_num: int, num_pages: int, fetch: FetchFn, device=None,
@@ -108,6 +109,10 @@ class RemoteBlocks:
         self.pending: list[tuple[torch.Tensor, str, torch.Tensor, torch.Tensor, object]] = []
         # failed reads the transport may still be writing (their ``ended`` event not set): (pages [N], read)
         self.abandoned: list[tuple[torch.Tensor, object]] = []
+        # pages whose host memory may hold data ``present`` does not list: a previous owner's
+        # (released without its memory given back) or a failed read's that may have landed.
+        # ``written`` counts every piece of them; ``given_back`` clears them
+        self.dirty = torch.zeros((num_pages,), dtype=torch.bool)
         self.peer = torch.full((num_pages,), -1, dtype=torch.int32)
         self.src_page = torch.full((num_pages,), -1, dtype=torch.int64)
         self.peer_names: list[str] = []
@@ -181,9 +186,30 @@ class RemoteBlocks:
         pages = torch.as_tensor(pages, dtype=torch.int64).cpu().reshape(-1)
         self.wait_reads_into(pages)
         self.present[:, :, pages] = True
+        self.dirty[pages] = True                 # until ``given_back``: a next owner's ``present`` won't show it
         self.peer[pages] = -1
         self.src_page[pages] = -1
         self._mirror(pages)
+
+    def written(self, pages: torch.Tensor) -> torch.Tensor:
+        """``[L, H, N]`` bool: the pieces of ``pages [N]`` (int64) whose host memory may hold
+        data (``HostTier.discard``'s ``written``): the present ones, and every piece of a page
+        that is ``dirty`` (a previous owner's data not given back, a failed read's bytes).
+
+        Raises:
+            ValueError: a page outside ``0 .. P - 1`` or not an integer."""
+        pages = torch.as_tensor(pages)
+        if pages.dtype == torch.bool or pages.dtype.is_floating_point or pages.dtype.is_complex:
+            raise ValueError(f"RemoteBlocks.written: pages must be integers, got {pages.dtype}")
+        pages = pages.reshape(-1).to("cpu", torch.int64)
+        if pages.numel() and (int(pages.min()) < 0 or int(pages.max()) >= self.P):
+            raise ValueError(f"RemoteBlocks.written: pages must be in 0..{self.P - 1}")
+        return self.present[:, :, pages] | self.dirty[pages][None, None, :]
+
+    def given_back(self, pages: torch.Tensor) -> None:
+        """The host memory of every piece of ``pages [N]`` was given back (``HostTier.discard``
+        with ``written`` from :meth:`written`, or without it): no data ``present`` does not list."""
+        self.dirty[torch.as_tensor(pages, dtype=torch.int64).cpu().reshape(-1)] = False
 
     def cut_off(self, pages: torch.Tensor) -> None:
         """Start no more reads for ``pages [N]`` (int64): their pieces count as present from now
@@ -285,6 +311,7 @@ class RemoteBlocks:
                 ended = getattr(read, "ended", None)
                 if ended is not None and not ended.is_set():
                     self.abandoned.append((ps, read))       # its bytes may still land: pages wait for it
+                self.dirty[ps] = True                       # bytes may have landed without being present
                 continue
             self.present[ls, hs, ps] = True
             self._mark_present_dev(ls, hs, ps)
@@ -442,6 +469,7 @@ class RemoteBlocks:
                 ended = getattr(read, "ended", None)
                 if ended is not None and not ended.is_set():
                     self.abandoned.append((p, read))    # its bytes may still land: pages wait for it
+                self.dirty[p] = True                    # bytes may have landed without being present
                 continue
             if not done:
                 left.append((layer, name, h, p, read))

@@ -1,5 +1,7 @@
 """core/host_tier.py: the host-memory KV store of the sparse layers (layout, reads, pinning)."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -124,6 +126,26 @@ def test_discard_refuses_a_written_mask_of_the_wrong_shape_or_dtype():
                 torch.ones(1, 2, 2, dtype=torch.bool)):
         with pytest.raises(ValueError, match="written must be a bool tensor of shape \\[2, 2, 2\\]"):
             ht.discard(torch.tensor([3, 4]), written=bad)
+
+
+def test_an_on_demand_tier_asks_for_no_transparent_huge_pages():
+    """With THP set to "always" one written 4 KiB piece would commit 2 MiB: the mapping carries
+    ``MADV_NOHUGEPAGE`` (the kernel's ``nh`` flag in /proc/self/smaps)."""
+    smaps = Path("/proc/self/smaps")
+    if not smaps.exists():
+        pytest.skip("no /proc/self/smaps")
+    ht = HostTier(1, 64, 16, 2, 64, 64, torch.float32)
+    for t in (ht.k[0], ht.v[0]):
+        addr, flags, inside = t.data_ptr(), None, False
+        for line in smaps.read_text().splitlines():
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= addr < hi
+            elif inside and line.startswith("VmFlags:"):
+                flags = line.split()[1:]
+                break
+        assert flags is not None and "nh" in flags, flags
 
 
 def test_discard_keeps_a_neighbour_sharing_an_os_page(seed):

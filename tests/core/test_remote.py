@@ -99,6 +99,33 @@ def test_a_failed_read_loses_its_peer_and_frees_its_pieces():
     assert len(reads.started) == 1
 
 
+def test_written_lists_present_pieces_and_every_piece_of_a_dirty_page():
+    """``written`` (what ``HostTier.discard`` may skip the rest of): present pieces, plus every
+    piece of a page whose memory may hold data ``present`` does not show: a failed read's
+    (its bytes may have landed), or a previous owner's until ``given_back``."""
+    rb, reads, _ = make()
+    rb.admit(torch.tensor([3, 5]), "A", torch.tensor([100, 101]), present=torch.tensor([[[True, False]]]))
+    assert rb.written(torch.tensor([3, 5])).tolist() == [[[True, False]]]
+    rb.deferred[0, 0, 5] = 1
+    rb.service()
+
+    def fail(r):
+        raise RuntimeError("NIXL_ERR_REMOTE_DISCONNECT")
+    rb.poll = fail
+    rb.service()
+    assert not rb.present[0, 0, 5] and rb.written(torch.tensor([5])).tolist() == [[[True]]]
+    rb.release(torch.tensor([3, 5]))                   # released without its memory given back
+    rb.given_back(torch.tensor([3]))
+    rb.admit(torch.tensor([3, 5]), "B", torch.tensor([7, 8]))
+    assert rb.written(torch.tensor([3, 5])).tolist() == [[[False, True]]]   # 5: A's data may still be there
+    rb.given_back(torch.tensor([5]))
+    assert not rb.written(torch.tensor([3, 5])).any()
+    for bad, what in ((torch.tensor([8]), "in 0..7"), (torch.tensor([-1]), "in 0..7"),
+                      (torch.tensor([True]), "integers")):
+        with pytest.raises(ValueError, match=what):
+            rb.written(bad)
+
+
 def test_one_read_per_peer_holds_every_layers_pieces():
     """``service`` starts one read per peer per step, whatever the layers: 3 layers' left-out
     pieces of two peers' pages make two reads, each naming its pieces' layers."""

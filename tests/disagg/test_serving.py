@@ -7,6 +7,7 @@ synchronous first step that reads its blocks on demand, ``DecodeSide.release`` t
 prefill node, whose ``PrefillSide.poll`` frees the lease; expiry; a lost peer's rows."""
 
 import base64
+import sys
 import json
 import time
 import types
@@ -779,3 +780,42 @@ def test_tp_ranks_agree_on_what_one_or_every_rank_saw(tmp_path):
     local = {1: "x"}
     out = tp_agree(local, None)
     assert out == local and out is not local
+
+
+@pytest.fixture
+def four_kib_pieces(monkeypatch):
+    """Engines of this module and test_admission's with 16-token blocks of 64 fp32 dims: 4 KiB
+    pieces, one OS page each, so ``HostTier.discard`` uses the ``written`` mask."""
+    import test_admission as ta
+
+    for mod in (ta, sys.modules[__name__]):
+        monkeypatch.setattr(mod, "BS", 16)
+        monkeypatch.setattr(mod, "D", 64)
+        monkeypatch.setattr(mod, "TOKENS", 4096)
+
+
+def test_a_page_released_without_its_memory_given_back_is_given_back_by_its_next_owner(four_kib_pieces):
+    """A request released without pages (SGLang's clear hook, a row reused) leaves what it read
+    resident; the next owner of those pages reads none of it and ends: its release gives that
+    memory back too (the pages are dirty), and nothing stays resident."""
+    pf, dc, ps, ds, dpool = make_sides(64)
+    try:
+        from oasis_sglang.core.host_tier import OS_PAGE
+
+        assert dc.host.piece_bytes % OS_PAGE == 0
+        prompt, steps = 61, 8
+        K, V, Q, rt_p, rt_d, npg, src, dst = transferred(pf, dc, dpool, prompt, steps)
+        ds.admit(2, rt_d[2], prompt, "prefill-host", 1, 5, "A")
+        for t in range(prompt, prompt + steps):
+            decode(dc, 2, rt_d, K, V, Q, t)
+        ds.release(2)                                      # no pages: nothing given back
+        assert dc.host.resident_bytes() > 0
+        sglang_transfer(pf, dc, dpool, src, dst)           # B gets the same pages
+        ds.admit(2, rt_d[2], prompt, "prefill-host", 1, 6, "B")
+        pages = torch.div(rt_d[2, :prompt:16].long(), 16, rounding_mode="floor")
+        ds.release(2, pages, tokens=prompt)                # B ends before reading anything
+        assert dc.host.resident_bytes() == 0
+        assert not ds.remote.dirty[pages].any()
+    finally:
+        ds.close()
+        ps.close()
