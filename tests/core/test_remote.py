@@ -82,16 +82,21 @@ def test_pages_changing_hands_wait_for_their_reads(how):
     assert len(reads.started) == 2 and reads.started[1].peer == "B" and int(reads.started[1].src[0]) == 200
 
 
-def test_a_failed_read_loses_its_peer_and_frees_its_pieces():
-    rb, reads, _ = make()
-    rb.admit(torch.tensor([3]), "A", torch.tensor([100]))
-    rb.deferred[0, 0, 3] = 1
+def fail_a_read_into(rb, page):
+    """Start a deferred read of piece (0, 0, ``page``), then let the transport report it failed."""
+    rb.deferred[0, 0, page] = 1
     rb.service()
 
     def fail(r):
         raise RuntimeError("NIXL_ERR_REMOTE_DISCONNECT")
     rb.poll = fail
     rb.service()
+
+
+def test_a_failed_read_loses_its_peer_and_frees_its_pieces():
+    rb, reads, _ = make()
+    rb.admit(torch.tensor([3]), "A", torch.tensor([100]))
+    fail_a_read_into(rb, 3)
     assert "NIXL_ERR_REMOTE_DISCONNECT" in rb.lost["A"] and not rb.pending and not rb.inflight.any()
     assert rb.failed_pages().tolist() == [3] and not rb.present[0, 0, 3]
     rb.deferred[0, 0, 3] = 1
@@ -106,13 +111,7 @@ def test_written_lists_present_pieces_and_every_piece_of_a_dirty_page():
     rb, reads, _ = make()
     rb.admit(torch.tensor([3, 5]), "A", torch.tensor([100, 101]), present=torch.tensor([[[True, False]]]))
     assert rb.written(torch.tensor([3, 5])).tolist() == [[[True, False]]]
-    rb.deferred[0, 0, 5] = 1
-    rb.service()
-
-    def fail(r):
-        raise RuntimeError("NIXL_ERR_REMOTE_DISCONNECT")
-    rb.poll = fail
-    rb.service()
+    fail_a_read_into(rb, 5)
     assert not rb.present[0, 0, 5] and rb.written(torch.tensor([5])).tolist() == [[[True]]]
     rb.release(torch.tensor([3, 5]))                   # released without its memory given back
     rb.given_back(torch.tensor([3]))
