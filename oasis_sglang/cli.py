@@ -58,7 +58,7 @@ def _patch(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``oasis-sglang``; returns the exit code (0 ok, 2 refused)."""
-    p = argparse.ArgumentParser(prog="oasis-sglang", description=__doc__,
+    p = argparse.ArgumentParser(prog="oasis-sglang", description=__doc__.replace("``", ""),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     pp = sub.add_parser("patch", help="apply/check/revert the SGLang patches in patches/")

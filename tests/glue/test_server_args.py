@@ -39,6 +39,14 @@ def test_oasis_sets_dependent_defaults(model, monkeypatch):
     assert '"budget_tokens": 512' in a.kv_sparse_config
 
 
+def test_oasis_on_cpu_without_sglangs_cpu_engine_is_refused_by_name(model, monkeypatch):
+    """Without SGLANG_USE_CPU_ENGINE=1 SGLang 0.5.17 would stop later, at model loading, on an
+    import of vllm: the start-up check says what to set instead."""
+    monkeypatch.delenv("SGLANG_USE_CPU_ENGINE", raising=False)
+    with pytest.raises(OasisConfigError, match="set SGLANG_USE_CPU_ENGINE=1"):
+        make(model, kv_sparse="oasis", kv_sparse_config='{"budget_tokens": 512, "block_size": 8}')
+
+
 @pytest.mark.parametrize("kw,key", [
     (dict(kv_sparse_config='{"budget": 512}'), "budget"),
     (dict(page_size=4), "--page-size"),
