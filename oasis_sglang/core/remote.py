@@ -253,6 +253,7 @@ class RemoteBlocks:
                 n += int(self.fetch(name, layer, h[sel], self.src_page[p[sel]], p[sel]))
             except Exception as e:  # noqa: BLE001 - any failure of a peer ends its requests, not the step
                 self.lost[name] = f"{type(e).__name__}: {e}"
+                self.dirty[p[sel]] = True   # part of its bytes may have landed without being present
                 continue
             self.present[layer, h[sel], p[sel]] = True
             self._mark_present_dev(torch.tensor(layer, dtype=torch.int64), h[sel], p[sel])
@@ -291,6 +292,7 @@ class RemoteBlocks:
                 read = self.post(name, ls, hs, self.src_page[ps], ps) if self.post is not None else None
             except Exception as e:  # noqa: BLE001 - any failure of a peer ends its requests, not the step
                 self.lost[name] = f"{type(e).__name__}: {e}"
+                self.dirty[ps] = True       # (a transfer that failed while starting: counted as landed)
                 continue
             started.append((name, ls, hs, ps, read))
         n = 0
@@ -444,6 +446,7 @@ class RemoteBlocks:
                 read = self.post(name, l[sel], h[sel], self.src_page[p[sel]], p[sel])
             except Exception as e:  # noqa: BLE001 - any failure of a peer ends its requests, not the step
                 self.lost[name] = f"{type(e).__name__}: {e}"
+                self.dirty[p[sel]] = True   # (a transfer that failed while starting: counted as landed)
                 continue
             if read is None:
                 continue

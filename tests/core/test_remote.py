@@ -125,6 +125,18 @@ def test_written_lists_present_pieces_and_every_piece_of_a_dirty_page():
             rb.written(bad)
 
 
+def test_a_synchronous_read_that_fails_leaves_its_pages_dirty():
+    """``ensure_local`` (pd_read_mode wait): a ``fetch`` that raises may have written part of
+    its pieces, so their pages count as written for ``HostTier.discard``."""
+    def fetch(*a):
+        raise RuntimeError("NIXL_ERR_REMOTE_DISCONNECT")
+    rb = RemoteBlocks(1, 2, 8, fetch=fetch)
+    rb.admit(torch.tensor([2, 6]), "A", torch.tensor([10, 11]))
+    rb.ensure_local(0, torch.tensor([0 * 8 + 6]))
+    assert "A" in rb.lost and not rb.present[0, 0, 6]
+    assert rb.written(torch.tensor([2, 6])).tolist() == [[[False, True], [False, True]]]
+
+
 def test_one_read_per_peer_holds_every_layers_pieces():
     """``service`` starts one read per peer per step, whatever the layers: 3 layers' left-out
     pieces of two peers' pages make two reads, each naming its pieces' layers."""
