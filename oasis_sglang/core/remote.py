@@ -198,18 +198,27 @@ class RemoteBlocks:
 
         Raises:
             ValueError: a page outside ``0 .. P - 1`` or not an integer."""
-        pages = torch.as_tensor(pages)
-        if pages.dtype == torch.bool or pages.dtype.is_floating_point or pages.dtype.is_complex:
-            raise ValueError(f"RemoteBlocks.written: pages must be integers, got {pages.dtype}")
-        pages = pages.reshape(-1).to("cpu", torch.int64)
-        if pages.numel() and (int(pages.min()) < 0 or int(pages.max()) >= self.P):
-            raise ValueError(f"RemoteBlocks.written: pages must be in 0..{self.P - 1}")
+        pages = self._page_arg(pages, "written")
         return self.present[:, :, pages] | self.dirty[pages][None, None, :]
 
     def given_back(self, pages: torch.Tensor) -> None:
-        """The host memory of every piece of ``pages [N]`` was given back (``HostTier.discard``
-        with ``written`` from :meth:`written`, or without it): no data ``present`` does not list."""
-        self.dirty[torch.as_tensor(pages, dtype=torch.int64).cpu().reshape(-1)] = False
+        """The host memory of every piece of ``pages [N]`` (int64) was given back
+        (``HostTier.discard`` with ``written`` from :meth:`written`, or without it): no data
+        ``present`` does not list.
+
+        Raises:
+            ValueError: a page outside ``0 .. P - 1`` or not an integer (nothing changes)."""
+        self.dirty[self._page_arg(pages, "given_back")] = False
+
+    def _page_arg(self, pages, who: str) -> torch.Tensor:
+        """``pages`` as ``[N]`` int64 CPU host pages; ValueError naming ``who`` otherwise."""
+        pages = torch.as_tensor(pages)
+        if pages.dtype == torch.bool or pages.dtype.is_floating_point or pages.dtype.is_complex:
+            raise ValueError(f"RemoteBlocks.{who}: pages must be integers, got {pages.dtype}")
+        pages = pages.reshape(-1).to("cpu", torch.int64)
+        if pages.numel() and (int(pages.min()) < 0 or int(pages.max()) >= self.P):
+            raise ValueError(f"RemoteBlocks.{who}: pages must be in 0..{self.P - 1}")
+        return pages
 
     def cut_off(self, pages: torch.Tensor) -> None:
         """Start no more reads for ``pages [N]`` (int64): their pieces count as present from now

@@ -123,6 +123,8 @@ def test_written_lists_present_pieces_and_every_piece_of_a_dirty_page():
                       (torch.tensor([True]), "integers")):
         with pytest.raises(ValueError, match=what):
             rb.written(bad)
+        with pytest.raises(ValueError, match=what):
+            rb.given_back(bad)
 
 
 def test_a_synchronous_read_that_fails_leaves_its_pages_dirty():
