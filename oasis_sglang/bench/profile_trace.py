@@ -112,15 +112,19 @@ def _union(intervals: list[tuple[float, float]]) -> float:
 
 
 OTHER_TOP = 12        # kernels of group "other" listed by name in the summary
+STREAM_GROUPS = 4     # kernel groups listed per stream in the markdown
 
 
 def summarize(events: list[tuple[str, object, float, float]], steps: int) -> dict:
     """Per-step device time of ``steps`` forward passes (see the module docstring).
 
     Returns ``{"steps", "kernels", "window_ms", "busy_ms", "idle_ms", "busy_frac", "groups_ms":
-    {group: ms per step}, "streams_ms": {stream: ms per step}, "other_top_ms": {kernel name (first
-    120 characters): ms per step}}`` (``other_top_ms``: the ``OTHER_TOP`` kernels of group "other" with
-    the most time); times are per step.
+    {group: ms per step}, "streams_ms": {stream: ms per step}, "stream_groups_ms": {stream: {group:
+    ms per step}}, "other_top_ms": {kernel name (first 120 characters): ms per step}}``
+    (``other_top_ms``: the ``OTHER_TOP`` kernels of group "other" with the most time;
+    ``stream_groups_ms``: which kernel groups each stream carried, the most time first: a CUDA
+    graph's replay puts its branches on streams of its own, so a stream's number alone does not
+    say which of OasisKV's stage streams it was); times are per step.
     Raises:
         ValueError: no GPU events, or ``steps`` < 1.
     """
@@ -133,6 +137,7 @@ def summarize(events: list[tuple[str, object, float, float]], steps: int) -> dic
     busy = _union([(s, s + d) for _, _, s, d in events])
     groups: dict[str, float] = {}
     streams: dict[str, float] = {}
+    stream_groups: dict[str, dict[str, float]] = {}
     other: dict[str, float] = {}
     for name, stream, _, d in events:
         g = group_of(name)
@@ -140,12 +145,16 @@ def summarize(events: list[tuple[str, object, float, float]], steps: int) -> dic
         if g == "other":
             other[name[:120]] = other.get(name[:120], 0.0) + d
         streams[str(stream)] = streams.get(str(stream), 0.0) + d
+        sg = stream_groups.setdefault(str(stream), {})
+        sg[g] = sg.get(g, 0.0) + d
     per = lambda us: us / 1e3 / steps  # noqa: E731
     window = t1 - t0
     return {"steps": steps, "kernels": len(events), "window_ms": per(window), "busy_ms": per(busy),
             "idle_ms": per(window - busy), "busy_frac": busy / window if window > 0 else 1.0,
             "groups_ms": {g: per(v) for g, v in sorted(groups.items(), key=lambda kv: -kv[1])},
             "streams_ms": {s: per(v) for s, v in sorted(streams.items(), key=lambda kv: -kv[1])},
+            "stream_groups_ms": {st: {g: per(v) for g, v in sorted(sg.items(), key=lambda kv: -kv[1])}
+                                 for st, sg in stream_groups.items()},
             "other_top_ms": {k: per(v) for k, v in sorted(other.items(), key=lambda kv: -kv[1])[:OTHER_TOP]},
             "gaps": compute_gaps(events, steps)}
 
@@ -211,8 +220,10 @@ def markdown(s: dict, title: str = "decode step") -> str:
           "| kernel group | ms per step | share of window |", "|---|---|---|"]
     for g, v in s["groups_ms"].items():
         md.append(f"| {g} | {v:.3f} | {share(v)} |")
-    md += ["", "| stream | kernel ms per step |", "|---|---|"]
-    md += [f"| {k} | {v:.3f} |" for k, v in s["streams_ms"].items()]
+    md += ["", "| stream | kernel ms per step | its kernel groups (ms per step) |", "|---|---|---|"]
+    sg = s.get("stream_groups_ms", {})
+    md += [f"| {k} | {v:.3f} | " + ", ".join(f"{g} {ms:.3f}" for g, ms in list(sg.get(k, {}).items())[:STREAM_GROUPS])
+           + " |" for k, v in s["streams_ms"].items()]
     if s.get("other_top_ms"):
         md += ["", '| kernel in "other" | ms per step |', "|---|---|"]
         md += [f"| `{k.replace('|', '/')}` | {v:.3f} |" for k, v in s["other_top_ms"].items()]

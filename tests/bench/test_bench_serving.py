@@ -374,6 +374,11 @@ def test_profile_trace_splits_device_time(tmp_path):
     assert g["sparse attention"] == pytest.approx(0.05) and g["scoring"] == pytest.approx(0.1)
     assert g["H2D copy"] == pytest.approx(0.05)
     assert s["streams_ms"]["7"] == pytest.approx(0.3)
+    # what each stream carried, the most time first
+    assert list(s["stream_groups_ms"]["7"])[:3] == ["GEMMs", "dense attention (SGLang)", "sparse attention"]
+    assert s["stream_groups_ms"]["21"]["H2D copy"] == pytest.approx(0.05)
+    assert s["stream_groups_ms"]["20"] == {"scoring": pytest.approx(0.1)}
+    assert "| 7 | 0.300 | GEMMs 0.200, dense attention (SGLang) 0.050, sparse attention 0.050, memcpy / memset 0.000 |" in pt.markdown(s)
     assert "| scoring | 0.100 |" in pt.markdown(s)
     # group "other", kernel by kernel, the most time first
     assert list(s["other_top_ms"].items()) == [("void at::native::reduce_kernel<512, 1, or>", pytest.approx(0.02)),
