@@ -8,6 +8,14 @@ allocator, radix cache and free lists govern the host tier. Pinned (``cudaHostRe
 CUDA is present; otherwise committed on demand (an anonymous ``mmap``): memory is taken when a
 block is first written, and ``discard`` returns freed blocks' memory to the OS (a PD decode
 node holds only the blocks it read from its prefill node, ``disagg/serving.py``).
+
+Compact mode (``num_slots=S``): one pool of ``S`` pieces for all sparse layers, ``k_pool [S, bs,
+D]`` and ``v_pool [S, bs, Dv]``, and a table ``slots [L, H * P]`` int32 giving each (layer, KV head,
+page) piece its pool row (``-1``: none). Pieces get slots with ``assign`` and give them back with
+``unassign``: a PD decode node, which reads only 16-45% of a request's pieces from its prefill
+node, pins memory for those alone (disagg/README.md, "The decode node's host tier on a GPU").
+The kernels reach a piece ``(h, page)`` of layer ``li`` at pool row ``slots[li, h * P + page]``
+(their ``slots`` argument, ``core/ops.py``).
 """
 
 from __future__ import annotations
@@ -86,6 +94,11 @@ def _pinned_zeros(shape: tuple, dtype: torch.dtype, device_index: int | None = N
     return t
 
 
+class HostTierFull(RuntimeError):
+    """``HostTier.assign``: the compact pool has fewer free slots than the pieces need (nothing
+    was changed)."""
+
+
 class HostTier:
     """Host-memory KV store of the sparse layers.
 
@@ -102,22 +115,34 @@ class HostTier:
             H200 host zeroing + pinning ran at 3.4 GB/s in one thread and 14.2 GB/s in 8
             (``scripts/bench_pin.py``, docs/benchmarks/2026-12-02_issue5-suite.md); the CUDA runtime is
             thread-safe and each buffer is registered on its own.
+        num_slots: ``None`` (default): the whole tier, one ``[H, P, bs, D/Dv]`` K and V buffer per
+            layer (``k`` / ``v``). An int ``S``: a *compact* tier (module docstring): the pools
+            ``k_pool [S, bs, D]`` / ``v_pool [S, bs, Dv]`` and the table ``slots [L, H * P]``
+            int32, all ``-1``; ``k`` / ``v`` then raise. At most ``2**31 - 1`` (int32 table).
 
     Raises:
-        ValueError: ``pin_threads`` is not a positive integer.
+        ValueError: ``pin_threads`` or ``num_slots`` is not a positive integer (or ``num_slots``
+            does not fit the int32 table).
         RuntimeError: page-locking failed (``_pinned_zeros``).
     """
 
     def __init__(self, num_layers: int, num_pages: int, block_size: int, head_num: int,
                  head_dim: int, v_head_dim: int, dtype: torch.dtype, pin_memory: bool = False,
-                 pin_threads: int | None = None, pin_device: int | None = None):
+                 pin_threads: int | None = None, pin_device: int | None = None, num_slots: int | None = None):
+        if num_slots is not None and (isinstance(num_slots, bool) or not isinstance(num_slots, int)
+                                      or not 1 <= num_slots < 2**31):
+            raise ValueError(f"HostTier: num_slots must be a positive integer below 2**31 or None, got {num_slots!r}")
         if pin_threads is not None and (isinstance(pin_threads, bool) or not isinstance(pin_threads, int)
                                         or pin_threads < 1):
             raise ValueError(f"HostTier: pin_threads must be a positive integer or None, got {pin_threads!r}")
         self.num_layers, self.num_pages, self.block_size = num_layers, num_pages, block_size
         self.head_num, self.head_dim, self.v_head_dim, self.dtype = head_num, head_dim, v_head_dim, dtype
-        shapes = ([(head_num, num_pages, block_size, head_dim)] * num_layers
-                  + [(head_num, num_pages, block_size, v_head_dim)] * num_layers)
+        self.num_slots = num_slots
+        if num_slots is None:
+            shapes = ([(head_num, num_pages, block_size, head_dim)] * num_layers
+                      + [(head_num, num_pages, block_size, v_head_dim)] * num_layers)
+        else:
+            shapes = [(num_slots, block_size, head_dim), (num_slots, block_size, v_head_dim)]
         self.on_demand = not pin_memory
         if not pin_memory:
             bufs = [_on_demand_zeros(s, dtype) for s in shapes]
@@ -132,7 +157,153 @@ class HostTier:
                 # registered are unregistered when their tensors are collected
                 with ThreadPoolExecutor(max_workers=n, thread_name_prefix="oasis-pin") as pool:
                     bufs = list(pool.map(lambda s: _pinned_zeros(s, dtype, dev), shapes))
-        self.k, self.v = bufs[:num_layers], bufs[num_layers:]
+        if num_slots is None:
+            self._k, self._v = bufs[:num_layers], bufs[num_layers:]
+            self.k_pool = self.v_pool = self.slots = None
+            return
+        self._k = self._v = None
+        self.k_pool, self.v_pool = bufs
+        self.slots = torch.full((num_layers, head_num * num_pages), -1, dtype=torch.int32)
+        # LIFO free list: the next slots handed out are _free[_nfree - 1], _free[_nfree - 2], ...
+        # (0, 1, 2, ... at first; the slots one unassign freed are handed out again first, lowest first)
+        self._free = torch.arange(num_slots - 1, -1, -1, dtype=torch.int64)
+        self._nfree = num_slots
+
+    # ---- the whole tier's per-layer buffers ------------------------------------------------
+    @property
+    def compact(self) -> bool:
+        """A compact tier (``num_slots`` given): pools and a slot table, no per-layer buffers."""
+        return self.num_slots is not None
+
+    def _no_layers(self, what: str):
+        return RuntimeError(f"HostTier.{what}: a compact tier (num_slots={self.num_slots}) has no per-layer "
+                            f"[H, P, bs, D] buffers; its pieces are k_pool / v_pool rows through the slot table "
+                            f"(slots[layer, h * P + page])")
+
+    @property
+    def k(self) -> list:
+        """Per layer the ``[H, P, bs, D]`` K buffer (the whole tier). Raises RuntimeError on a
+        compact tier (``k_pool`` through ``slots``)."""
+        if self._k is None:
+            raise self._no_layers("k")
+        return self._k
+
+    @k.setter
+    def k(self, value: list) -> None:
+        self._k = value
+
+    @property
+    def v(self) -> list:
+        """Per layer the ``[H, P, bs, Dv]`` V buffer (the whole tier). Raises RuntimeError on a
+        compact tier (``v_pool`` through ``slots``)."""
+        if self._v is None:
+            raise self._no_layers("v")
+        return self._v
+
+    @v.setter
+    def v(self, value: list) -> None:
+        self._v = value
+
+    def buffers(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """What the kernels' ``host_k`` / ``host_v`` take for sparse layer ``layer``: the
+        layer's ``[H, P, bs, D/Dv]`` buffers, or on a compact tier the pools ``[S, bs, D/Dv]``
+        (their rows addressed through ``slots[layer]``)."""
+        if self.compact:
+            return self.k_pool, self.v_pool
+        return self._k[layer], self._v[layer]
+
+    def piece_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(k [rows, bs * D], v [rows, bs * Dv])``: the pieces ``copy_blocks`` addresses for
+        sparse layer ``layer``, row ``h * P + page`` (the whole tier) or a pool row ``slots[layer,
+        h * P + page]`` (a compact tier, ``rows = S``)."""
+        hk, hv = self.buffers(layer)
+        return hk.view(-1, self.block_size * self.head_dim), hv.view(-1, self.block_size * self.v_head_dim)
+
+    # ---- the compact tier's slots ------------------------------------------------------------
+    @property
+    def free_slots(self) -> int:
+        """Pool rows not held by a piece (a compact tier; RuntimeError on the whole tier)."""
+        self._need_compact("free_slots")
+        return self._nfree
+
+    def _need_compact(self, what: str) -> None:
+        if not self.compact:
+            raise RuntimeError(f"HostTier.{what}: only a compact tier (num_slots=...) has slots")
+
+    def _indices(self, what: str, name: str, x, hi: int) -> torch.Tensor:
+        """``x`` as a flat CPU int64 tensor of values in ``0 .. hi - 1``; ValueError naming ``name``."""
+        t = torch.as_tensor(x)
+        if not t.numel():                                # (an empty list is a float tensor)
+            return torch.empty(0, dtype=torch.int64)
+        if t.dtype == torch.bool or t.dtype.is_floating_point or t.dtype.is_complex:
+            raise ValueError(f"HostTier.{what}: {name} must be integers, got {t.dtype}")
+        t = t.reshape(-1).to("cpu", torch.int64)
+        if t.numel() and (int(t.min()) < 0 or int(t.max()) >= hi):
+            raise ValueError(f"HostTier.{what}: {name} must be in 0..{hi - 1}, got values in "
+                             f"{int(t.min())}..{int(t.max())}")
+        return t
+
+    def assign(self, layers, heads, pages) -> torch.Tensor:
+        """Give each piece ``(layers[i], heads[i], pages[i])`` a pool row (a compact tier).
+
+        A piece that already has a slot keeps it; a piece listed twice gets one slot. New slots
+        come from the free list (LIFO: at first 0, 1, 2, ...; the slots of the last ``unassign``
+        first, lowest first), handed to the new pieces in increasing ``(layer, h * P + page)``
+        order. A new slot's data is whatever the pool row holds (zeros, or the data of the
+        piece that held it before; write it before reading).
+
+        Args:
+            layers / heads / pages: ``[N]`` integers (tensors or lists; sparse-layer index
+                ``0 .. L - 1``, KV head ``0 .. H - 1``, host page ``0 .. P - 1``).
+        Returns:
+            ``[N]`` int64 (CPU) the slot of each piece.
+        Raises:
+            RuntimeError: the whole tier (no slots).
+            ValueError: an argument that is not integers, out of its range (named), or of
+                another length than the others.
+            HostTierFull: fewer free slots than new pieces (the message gives both); nothing
+                changed.
+        """
+        self._need_compact("assign")
+        li = self._indices("assign", "layers", layers, self.num_layers)
+        hh = self._indices("assign", "heads", heads, self.head_num)
+        pp = self._indices("assign", "pages", pages, self.num_pages)
+        if not li.numel() == hh.numel() == pp.numel():
+            raise ValueError(f"HostTier.assign: layers, heads and pages must have one length, got "
+                             f"{li.numel()}, {hh.numel()}, {pp.numel()}")
+        HP = self.head_num * self.num_pages
+        key = li * HP + hh * self.num_pages + pp                        # into slots.view(-1)
+        flat = self.slots.view(-1)
+        new = torch.unique(key[flat[key] < 0])                          # sorted, once each
+        n = new.numel()
+        if n > self._nfree:
+            raise HostTierFull(f"HostTier.assign: the compact pool has {self._nfree} free slots of "
+                               f"{self.num_slots}; {n} new pieces need one each")
+        if n:
+            taken = self._free[self._nfree - n:self._nfree].flip(0)
+            self._nfree -= n
+            flat[new] = taken.to(torch.int32)
+        return flat[key].to(torch.int64)
+
+    def unassign(self, pages) -> int:
+        """Free the slots of every piece (all layers and KV heads) of host pages ``pages [M]``
+        (integers in ``0 .. P - 1``, repeats allowed); pieces without a slot are skipped.
+        The freed slots are handed out first by the next ``assign``, lowest first.
+
+        Returns: the number of slots freed.
+        Raises:
+            RuntimeError: the whole tier. ValueError: pages not integers or out of range."""
+        self._need_compact("unassign")
+        pp = torch.unique(self._indices("unassign", "pages", pages, self.num_pages))
+        cols = (torch.arange(self.head_num, dtype=torch.int64)[:, None] * self.num_pages + pp[None, :]).reshape(-1)
+        sub = self.slots[:, cols]
+        freed = sub[sub >= 0].to(torch.int64)
+        m = freed.numel()
+        if m:
+            self.slots[:, cols] = -1
+            self._free[self._nfree:self._nfree + m] = torch.sort(freed, descending=True).values
+            self._nfree += m
+        return m
 
     @property
     def capacity_tokens(self) -> int:
@@ -141,8 +312,9 @@ class HostTier:
 
     @property
     def nbytes(self) -> int:
-        """Host bytes of all K and V buffers."""
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+        """Host bytes of all K and V buffers (a compact tier: its two pools)."""
+        bufs = [self.k_pool, self.v_pool] if self.compact else self._k + self._v
+        return sum(t.numel() * t.element_size() for t in bufs)
 
     @staticmethod
     def _runs(pieces: torch.Tensor):
@@ -175,12 +347,17 @@ class HostTier:
     def piece_bytes(self) -> int:
         """Bytes of one (KV head, block) piece of the smaller of K and V (``bs * min(D, Dv)``
         elements): below ``OS_PAGE`` neighbouring blocks share OS pages (``discard``)."""
-        elt = self.k[0].element_size() if self.k else torch.empty((), dtype=self.dtype).element_size()
+        elt = torch.empty((), dtype=self.dtype).element_size()
         return self.block_size * min(self.head_dim, self.v_head_dim) * elt
 
     def _buffers(self):
-        """``(buffer, piece bytes)`` of every K and V buffer, layer by layer (K then V)."""
+        """``(layer, buffer, piece bytes)`` of every K and V buffer, layer by layer (K then V); a
+        compact tier: ``(None, pool, piece bytes)`` of its two pools."""
         bs = self.block_size
+        if self.compact:
+            yield None, self.k_pool, bs * self.head_dim * self.k_pool.element_size()
+            yield None, self.v_pool, bs * self.v_head_dim * self.v_pool.element_size()
+            return
         for li in range(self.num_layers):
             yield li, self.k[li], bs * self.head_dim * self.k[li].element_size()
             yield li, self.v[li], bs * self.v_head_dim * self.v[li].element_size()
@@ -209,9 +386,13 @@ class HostTier:
 
         Returns: bytes given back (an upper bound: pages never written count too).
         Raises:
+            RuntimeError: a compact tier (``unassign`` frees a page's pieces there).
             ValueError: a page outside ``0 .. P - 1``, pages that are not integers (a bool mask,
                 floats), or ``written`` not a dense bool tensor of shape ``[L, H, N]``.
         """
+        if self.compact:
+            raise RuntimeError(f"HostTier.discard: a compact tier (num_slots={self.num_slots}) gives pages back "
+                               f"with unassign (their slots), not discard")
         pages = torch.as_tensor(pages)
         if pages.dtype == torch.bool or pages.dtype.is_floating_point or pages.dtype.is_complex:
             raise ValueError(f"HostTier.discard: pages must be integers, got {pages.dtype}")
@@ -274,11 +455,14 @@ class HostTier:
         """``[N]`` int64 host pages (sorted) any of whose pieces (any layer, K or V, KV head)
         touches a resident OS page (``mincore``). A pinned tier: every page. Tells which blocks
         hold memory when ``resident_bytes`` says the tier holds more than its requests do (an
-        OS page shared by neighbouring blocks counts for each of them).
+        OS page shared by neighbouring blocks counts for each of them). A compact tier: the pages
+        one of whose pieces has a slot touching a resident OS page (pinned: every slot).
 
         Raises:
             OSError: ``mincore`` failed."""
         P = self.num_pages
+        if self.compact:
+            return self._resident_pages_compact()
         if not self.on_demand:
             return torch.arange(P, dtype=torch.int64)
         hit = torch.zeros(P, dtype=torch.bool)
@@ -291,15 +475,41 @@ class HostTier:
             hit |= any_res.view(-1, P).any(0)
         return torch.nonzero(hit).reshape(-1)
 
+    def _resident_pages_compact(self) -> torch.Tensor:
+        """``resident_pages`` of a compact tier: resident slots through the table."""
+        res_slot = torch.zeros(self.num_slots, dtype=torch.bool)
+        if not self.on_demand:
+            res_slot[:] = True
+        else:
+            for buf, pb, res, start in self._resident_os_pages():
+                off = start + torch.arange(self.num_slots, dtype=torch.int64) * pb
+                first, last = off // OS_PAGE, (off + pb - 1) // OS_PAGE
+                cs = torch.cat([torch.zeros(1, dtype=torch.int64), res.to(torch.int64).cumsum(0)])
+                res_slot |= (cs[last + 1] - cs[first]) > 0
+        s = self.slots.to(torch.int64)
+        hit = (s >= 0) & res_slot[s.clamp(min=0)]
+        return torch.nonzero(hit.view(self.num_layers * self.head_num, self.num_pages).any(0)).reshape(-1)
+
     def read_tokens(self, layer: int, loc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Gather tokens by location: returns ``(k [n, H, D], v [n, H, Dv])`` on the CPU."""
+        """Gather tokens by location: returns ``(k [n, H, D], v [n, H, Dv])`` on the CPU. A
+        compact tier reads through ``slots[layer]``; a piece without a slot reads as zeros (as a
+        piece never written does on the whole tier)."""
         loc = loc.to("cpu", torch.int64)
         page, off = loc // self.block_size, loc % self.block_size
+        if self.compact:
+            sl = self.slots[layer].to(torch.int64)[torch.arange(self.head_num)[None, :] * self.num_pages
+                                                   + page[:, None]]                               # [n, H]
+            have = sl >= 0
+            o = off[:, None].expand_as(sl)
+            k = torch.zeros((loc.numel(), self.head_num, self.head_dim), dtype=self.dtype)
+            v = torch.zeros((loc.numel(), self.head_num, self.v_head_dim), dtype=self.dtype)
+            k[have], v[have] = self.k_pool[sl[have], o[have]], self.v_pool[sl[have], o[have]]
+            return k, v
         return (self.k[layer][:, page, off].transpose(0, 1).contiguous(),
                 self.v[layer][:, page, off].transpose(0, 1).contiguous())
 
     def read_prefix(self, layer: int, req_to_token_row: torch.Tensor, n: int, device: torch.device | str,
-                    copy_blocks) -> tuple[torch.Tensor, torch.Tensor]:
+                    copy_blocks, slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Positions ``0 .. n-1`` of one request from the host tier, on ``device``.
 
         Args:
@@ -307,6 +517,9 @@ class HostTier:
             req_to_token_row: the request's row of SGLang's ``req_to_token`` (position -> slot).
             n: tokens to read.
             copy_blocks: the engine's ``ops.copy_blocks`` (``core/ops.py``; the H2D gather kernel on CUDA).
+            slots: a compact tier only: ``slots[layer]`` (``[H * P]`` int32) on ``device`` (the
+                engine's device copy; default this tier's table, copied there). A piece without a
+                slot reads as zeros (as a piece never written does on the whole tier).
         Returns:
             ``(k [n, H, D], v [n, H, Dv])`` in the host tier's dtype.
 
@@ -327,9 +540,17 @@ class HostTier:
             P = self.num_pages
             src = (torch.arange(H, device=dev)[:, None] * P + pages[None, :]).reshape(-1)        # [H * nb]
             dst = torch.arange(H * nb, device=dev)
-            kb = torch.empty((H * nb, bs * D), dtype=self.dtype, device=dev)
-            vb = torch.empty((H * nb, bs * Dv), dtype=self.dtype, device=dev)
-            copy_blocks(kb, vb, dst, self.k[li].view(-1, bs * D), self.v[li].view(-1, bs * Dv), src)
+            hk, hv = self.piece_views(li)
+            if self.compact:
+                table = self.slots[li].to(dev) if slots is None else slots
+                src = table[src].to(torch.int64)
+                dst = torch.where(src >= 0, dst, -1)           # no slot: no copy, zeros
+                kb = torch.zeros((H * nb, bs * D), dtype=self.dtype, device=dev)
+                vb = torch.zeros((H * nb, bs * Dv), dtype=self.dtype, device=dev)
+            else:
+                kb = torch.empty((H * nb, bs * D), dtype=self.dtype, device=dev)
+                vb = torch.empty((H * nb, bs * Dv), dtype=self.dtype, device=dev)
+            copy_blocks(kb, vb, dst, hk, hv, src)
             parts_k.append(kb.view(H, nb * bs, D).transpose(0, 1))
             parts_v.append(vb.view(H, nb * bs, Dv).transpose(0, 1))
         if n > nb * bs:

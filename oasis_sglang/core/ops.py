@@ -6,7 +6,15 @@ the Triton interpreter on CPU) and is tested against this file. The engine
 (``core.engine.OasisSparseKV``) only calls these methods, so the two are interchangeable.
 
 Layouts (one sparse layer; paper: Methodology, tiered KV and head-wise mapping):
-  host tier   ``host_k [H, P, bs, D]``, ``host_v [H, P, bs, Dv]`` (host memory, pinned on CUDA)
+  host tier   ``host_k [H, P, bs, D]``, ``host_v [H, P, bs, Dv]`` (host memory, pinned on CUDA);
+              piece ``(h, page)`` is row ``h * P + page`` of ``host_k.view(-1, bs * D)``
+  compact     (``core.host_tier`` ``num_slots``) ``host_k [S, bs, D]``, ``host_v [S, bs, Dv]``:
+              the pool, with ``slots [H * P]`` int32 (the layer's row of the slot table, on the
+              kernel's device): piece ``(h, page)`` is pool row ``slots[h * P + page]``, none
+              where ``-1``. The ops taking ``slots`` (``write_kv``, ``plan_transfer``,
+              ``append_tokens``) drop a write to a piece without a slot and make no copy from
+              one, and count each in ``dropped`` (int64, one element, on the kernel's device);
+              they never address a row outside the pool. ``slots=None``: the whole tier.
   summaries   ``kmin / kmax [P, H, D]`` (device), block ``p`` = SGLang page ``p``
   working set ``ws_k [R, H, K, bs, D]``, ``ws_v [R, H, K, bs, Dv]``, ``ids [R, H, K]`` int64
               (logical block held by slot ``(r, h, e)``, ``-1`` free)
@@ -36,17 +44,31 @@ def block_pages(req_to_token: torch.Tensor, rows: torch.Tensor, nb: int, block_s
                      rounding_mode="floor").long()
 
 
+def check_slots(slots, dropped, H: int, P: int, what: str) -> None:
+    """Assert the ``slots`` / ``dropped`` arguments of a compact host tier's op: ``slots [H * P]``
+    int32 contiguous, ``dropped`` an int64 tensor of one element on the same device.
+
+    Raises:
+        AssertionError: naming ``what`` and the mismatch."""
+    assert slots.dtype == torch.int32 and slots.shape == (H * P,) and slots.is_contiguous(), \
+        f"{what}: slots must be a contiguous [H * P] = [{H * P}] int32 tensor, got {slots.dtype} {tuple(slots.shape)}"
+    assert dropped is not None and dropped.dtype == torch.int64 and dropped.numel() == 1 \
+        and dropped.device == slots.device, \
+        f"{what}: slots need dropped, an int64 counter of one element on {slots.device}"
+
+
 class BaseKVOps:
     """Interface of the OasisKV operations (see module docstring for layouts)."""
 
     name = "base"
 
     def write_kv(self, host_k, host_v, kmin, kmax, loc, k, v, block_size: int, one_token_each: bool = False,
-                 write_host: bool = True) -> None:
+                 write_host: bool = True, slots=None, dropped=None) -> None:
         """Write new tokens to the host tier and fold their keys into their blocks' summaries.
 
         Args:
-            host_k / host_v: ``[H, P, bs, D/Dv]`` host tier of one layer.
+            host_k / host_v: ``[H, P, bs, D/Dv]`` host tier of one layer, or with ``slots`` the
+                compact pool ``[S, bs, D/Dv]`` (module docstring).
             kmin / kmax: ``[P, H, D]`` summaries of that layer (the model's dtype; with an fp8
                 host tier the keys are folded in as the tier holds them, ``core.kv_dtype``).
             loc: ``[N]`` int64 token locations (page = ``loc // bs``, offset ``loc % bs``), in
@@ -55,6 +77,10 @@ class BaseKVOps:
             one_token_each: every token is in a different block (a decode batch; a hint).
             write_host: ``False`` updates only the summaries (decode: the tokens go to the
                 working set and reach the host tier as whole blocks, ``copy_blocks``).
+            slots: ``[H * P]`` int32 on ``kmin``'s device, or ``None`` (the whole tier): token
+                ``i`` of KV head ``h`` goes to pool row ``slots[h * P + loc[i] // bs]``; where that
+                is ``-1`` it is written nowhere and ``dropped`` += 1 (per token and KV head).
+            dropped: int64 device counter (one element), required with ``slots``.
         A token at block offset 0 starts its block's summary; any other token is folded into
         the block's current min/max, so after the block's last token the summary is exactly the
         block's coordinate-wise min/max (Quest Sec. 3), whatever the prefill/decode split.
@@ -136,7 +162,8 @@ class BaseKVOps:
         raise NotImplementedError
 
     def plan_transfer(self, ids, last_used, rows, wanted, forced, step, fetch_cap, seq, req_to_token,
-                      block_size: int, num_pages: int, counters, skip_row: int | None = None, allow=None):
+                      block_size: int, num_pages: int, counters, skip_row: int | None = None, allow=None,
+                      slots=None, dropped=None):
         """Stage (b) of the pipeline and the index work of stage (c), for one layer: capped
         eviction against the resident set, then the host-tier pieces to copy in.
 
@@ -156,29 +183,40 @@ class BaseKVOps:
             skip_row: a CUDA-graph padding row: planned like any row, but it copies and counts nothing.
             allow: ``[B*H]`` int32, the step budget's share of each (request, KV head)'s
                 ``budget_candidates`` (``core.budget.share_budget``); ``None``: the cap alone.
+            slots: ``[H * P]`` int32 on the working set's device, or ``None`` (the whole tier):
+                a copy's host piece is pool row ``slots[h * P + page]`` instead of ``h * P + page``.
+                A copy whose piece has no slot (``-1``) is not listed (the block is admitted all
+                the same, its slot's data stale) and ``dropped`` += 1; it is not counted as copied.
+            dropped: int64 device counter (one element), required with ``slots``.
         Returns:
             ``(dst [B*H, K] int64, src [B*H, K] int64, counts [B*H] int32)``: row ``b * H + h``
             lists the working-set pieces ``(rows[b] * H + h) * K + slot`` to fill and their host
-            pieces, live copies first in increasing slot order, then ``-1``; ``counts`` the live
+            pieces (or pool rows), live copies first in increasing slot order, then ``-1``; ``counts`` the live
             copies per row (``copy_blocks(..., counts=)`` reads these lists). No host sync.
         Paper: Methodology, Delta Selection and Capped Eviction.
         """
         raise NotImplementedError
 
     def append_tokens(self, ws_k, ws_v, ids, rows, pos, k, v, host_k, host_v, req_to_token, violations,
-                      counters, skip_row: int | None = None, fold=None) -> None:
+                      counters, skip_row: int | None = None, fold=None, slots=None, dropped=None) -> None:
         """Decode step 5 of one layer: each new token into its resident block's slot, and every
         block the token completes written back to the host tier (where the full KV cache lives).
 
         Args:
             ws_k / ws_v: ``[R, H, K, bs, D/Dv]`` working set of the layer; ids: ``[R, H, K]``.
             rows, pos: ``[B]`` request rows and token positions. k: ``[B, H, D]``; v: ``[B, H, Dv]``.
-            host_k / host_v: ``[H, P, bs, D/Dv]`` host tier of the layer (pinned on CUDA).
+            host_k / host_v: ``[H, P, bs, D/Dv]`` host tier of the layer (pinned on CUDA), or
+                with ``slots`` the compact pool ``[S, bs, D/Dv]``.
             req_to_token: ``[R, W]`` (the host page of the completed block: ``loc // bs``).
             violations: 0-dim int64 device counter, incremented by each (token, KV head) whose
                 block is not resident: that token is written nowhere (an invariant violation;
                 ``WorkingSet.check`` raises on it), and nothing is written back for it.
             counters: ``[4]`` int64: ``counters[3]`` += blocks written back.
+            slots: ``[H * P]`` int32 on the working set's device, or ``None`` (the whole tier): a
+                completed block of KV head ``h`` goes to pool row ``slots[h * P + page]``; where
+                that is ``-1`` it is not written back (nor counted in ``counters[3]``) and
+                ``dropped`` += ``bs`` (its tokens, as ``write_kv`` counts).
+            dropped: int64 device counter (one element), required with ``slots``.
             skip_row: a CUDA-graph padding row: its tokens are written (to its own slots) but
                 never counted or written back.
             fold: ``(kmin [P, H, D], kmax [P, H, D], loc [B], k [B, H, D])`` or ``None``: also fold
@@ -264,13 +302,27 @@ class TorchKVOps(BaseKVOps):
 
     name = "torch"
 
-    def write_kv(self, host_k, host_v, kmin, kmax, loc, k, v, block_size, one_token_each=False, write_host=True):
+    def write_kv(self, host_k, host_v, kmin, kmax, loc, k, v, block_size, one_token_each=False, write_host=True,
+                 slots=None, dropped=None):
         """Reference: host-tier scatter by location, then ``scatter_reduce`` amin/amax into the summaries."""
-        H, P, bs, D = host_k.shape
+        if slots is None:
+            H, P, bs, D = host_k.shape
+        else:
+            (P, H, _), (_, bs, D) = kmin.shape, host_k.shape
+            check_slots(slots, dropped, H, P, "write_kv")
         assert bs == block_size and k.shape[1:] == (H, D) and v.shape[0] == k.shape[0] == loc.numel(), \
             f"write_kv: host [H, P, bs, D] = {tuple(host_k.shape)} (block_size {block_size}), loc {tuple(loc.shape)}, " \
             f"k {tuple(k.shape)}, v {tuple(v.shape)}: want loc [N], k [N, {H}, {D}], v [N, {H}, Dv]"
-        if write_host:
+        if write_host and slots is not None:
+            loc_s = loc.to(slots.device, torch.int64)
+            sl = slots.long()[torch.arange(H, device=slots.device)[None, :] * P + (loc_s // bs)[:, None]]   # [N, H]
+            dropped += (sl < 0).sum()
+            sl = sl.to(host_k.device)
+            have = sl >= 0
+            off = (loc.to(host_k.device, torch.int64) % bs)[:, None].expand_as(sl)
+            host_k[sl[have], off[have]] = k.to(host_k.device, host_k.dtype)[have]
+            host_v[sl[have], off[have]] = v.to(host_v.device, host_v.dtype)[have]
+        elif write_host:
             loc_h = loc.to(host_k.device, torch.int64)
             page, off = loc_h // bs, loc_h % bs
             host_k[:, page, off] = k.to(host_k.device, host_k.dtype).transpose(0, 1)
@@ -322,7 +374,7 @@ class TorchKVOps(BaseKVOps):
         return replay_churn(wanted, forced, ids[rows], mean, seq, salt=salt, nb_max=nb_max)
 
     def plan_transfer(self, ids, last_used, rows, wanted, forced, step, fetch_cap, seq, req_to_token,
-                      block_size, num_pages, counters, skip_row=None, allow=None):
+                      block_size, num_pages, counters, skip_row=None, allow=None, slots=None, dropped=None):
         """Reference: ``core.working_set.plan_admissions`` (sorts and a ``[B, H, K, K]`` match),
         then the pieces of the copied admissions gathered through ``req_to_token``."""
         counted = None if skip_row is None else rows != skip_row
@@ -336,24 +388,35 @@ class TorchKVOps(BaseKVOps):
         if counted is not None:
             live = live & counted[:, None, None]
         page = torch.div(req_to_token[r, (blk * bs).clamp(max=W - 1)].long(), bs, rounding_mode="floor")
+        piece = h * num_pages + page
+        if slots is not None:
+            check_slots(slots, dropped, H, num_pages, "plan_transfer")
+            piece = slots.long()[piece.clamp(0, slots.numel() - 1)]     # its pool row (a dead entry's: unused)
+            dropped += (live & (piece < 0)).sum()
+            live = live & (piece >= 0)
         slot = torch.where(live, adm.entry, K)                          # dead admissions to a spare column
         by_slot = lambda x: torch.full((B, H, K + 1), -1, dtype=torch.int64, device=ids.device).scatter_(  # noqa: E731
             -1, slot, x.expand(B, H, K))[..., :K]
-        dst_s, src_s = by_slot((r * H + h) * K + adm.entry), by_slot(h * num_pages + page)
+        dst_s, src_s = by_slot((r * H + h) * K + adm.entry), by_slot(piece)
         first = torch.sort((dst_s < 0).to(torch.int8), dim=-1, stable=True).indices   # live first, slot order
         counters[:3] += torch.stack([adm.hits, live.sum(), adm.evicted])
         return (torch.gather(dst_s, -1, first).view(B * H, K), torch.gather(src_s, -1, first).view(B * H, K),
                 (dst_s >= 0).sum(-1).view(B * H).to(torch.int32))
 
     def append_tokens(self, ws_k, ws_v, ids, rows, pos, k, v, host_k, host_v, req_to_token, violations,
-                      counters, skip_row=None, fold=None):
+                      counters, skip_row=None, fold=None, slots=None, dropped=None):
         """Reference: ``write_kv``'s summary fold (with ``fold``), then find the slot by a
         ``[B, H, K]`` match, masked scatter, then ``copy_blocks`` D2H."""
         R, H, K, bs, D = ws_k.shape
         if fold is not None:
             kmin, kmax, floc, fk = fold
-            self.write_kv(host_k, host_v, kmin, kmax, floc, fk, v, bs, one_token_each=True, write_host=False)
-        P = host_k.shape[1]
+            self.write_kv(host_k, host_v, kmin, kmax, floc, fk, v, bs, one_token_each=True, write_host=False,
+                          slots=slots, dropped=dropped)
+        if slots is not None:
+            P = slots.numel() // H
+            check_slots(slots, dropped, H, P, "append_tokens")
+        else:
+            P = host_k.shape[1]
         blk = (pos // bs)[:, None, None]
         hit = ids[rows] == blk                                          # [B, H, K]
         ok = hit.any(-1)                                                # [B, H]; False breaks the invariant
@@ -368,7 +431,12 @@ class TorchKVOps(BaseKVOps):
         done = ok & ((pos % bs) == bs - 1)[:, None] & real[:, None]     # [B, H] blocks completed
         page = torch.div(req_to_token[rows, pos].long(), bs, rounding_mode="floor")
         src = ((r * H + h) * K + e).reshape(-1)
-        dst = torch.where(done, h * P + page[:, None], -1).reshape(-1)
+        piece = h * P + page[:, None]
+        if slots is not None:
+            piece = slots.long()[piece.clamp(0, slots.numel() - 1)]     # its pool row
+            dropped += (done & (piece < 0)).sum() * bs
+            done = done & (piece >= 0)
+        dst = torch.where(done, piece, -1).reshape(-1)
         self.copy_blocks(host_k.view(-1, bs * D), host_v.view(-1, bs * ws_v.shape[-1]), dst,
                          ws_k.view(-1, bs * D), ws_v.view(-1, bs * ws_v.shape[-1]), src)
         counters[3] += done.sum()

@@ -175,3 +175,132 @@ def test_resident_pages_names_the_blocks_holding_memory(seed):
     small = HostTier(1, 512, 4, 1, 8, 8, torch.float32)   # 128 B pieces, 32 per OS page
     small.k[0][0, 40] = 1.0
     assert small.resident_pages().tolist() == list(range(32, 64))
+
+
+# ---- compact tier: a pool of pieces and a page -> slot table ----------------------------------------
+def _compact(S=10, L=2, H=3, P=5, bs=4, D=8, Dv=6):
+    return HostTier(L, P, bs, H, D, Dv, torch.float32, num_slots=S)
+
+
+def test_compact_tier_layout_and_its_whole_tier_api():
+    """One pool of S pieces for every layer, a table all -1; the per-layer buffers raise naming
+    compact mode, sizes count the pools; the whole tier keeps its buffers and has no slots."""
+    ht = _compact()
+    assert ht.compact and ht.k_pool.shape == (10, 4, 8) and ht.v_pool.shape == (10, 4, 6)
+    assert ht.slots.shape == (2, 15) and ht.slots.dtype == torch.int32 and (ht.slots == -1).all()
+    assert ht.free_slots == 10 and ht.nbytes == 10 * 4 * (8 + 6) * 4 and ht.capacity_tokens == 20
+    assert ht.piece_bytes == 4 * 6 * 4 and ht.resident_bytes() == 0
+    for what in ("k", "v"):
+        with pytest.raises(RuntimeError, match=r"compact tier \(num_slots=10\)"):
+            getattr(ht, what)
+    with pytest.raises(RuntimeError, match="compact tier.*unassign"):
+        ht.discard(torch.tensor([1]))
+    whole = HostTier(2, 5, 4, 3, 8, 6, torch.float32)
+    assert not whole.compact and whole.slots is None and whole.k_pool is None and len(whole.k) == 2
+    assert whole.buffers(1) == (whole.k[1], whole.v[1])
+    for call in (lambda: whole.free_slots, lambda: whole.assign([0], [0], [0]), lambda: whole.unassign([0])):
+        with pytest.raises(RuntimeError, match="only a compact tier"):
+            call()
+
+
+def test_assign_gives_lowest_free_slots_keeps_existing_and_merges_duplicates():
+    ht = _compact(S=10, L=2, H=3, P=5)
+    got = ht.assign(torch.tensor([1, 0, 0, 1]), torch.tensor([2, 0, 0, 0]), torch.tensor([4, 3, 3, 1]))
+    # new pieces in increasing (layer, h * P + page) order: (0, 3) -> 0, (1, 1) -> 1, (1, 14) -> 2
+    assert got.dtype == torch.int64 and got.tolist() == [2, 0, 0, 1] and ht.free_slots == 7
+    assert ht.slots[0, 3] == 0 and ht.slots[1, 1] == 1 and ht.slots[1, 14] == 2
+    assert int((ht.slots >= 0).sum()) == 3
+    again = ht.assign([1, 0], [2, 1], [4, 0])                     # one kept, one new
+    assert again.tolist() == [2, 3] and ht.free_slots == 6
+    assert ht.assign([], [], []).numel() == 0 and ht.free_slots == 6
+
+
+def test_unassign_frees_every_layer_and_head_and_reuses_them_first():
+    ht = _compact(S=12, L=2, H=3, P=5)
+    L_, H_, P_ = torch.meshgrid(torch.arange(2), torch.arange(3), torch.tensor([1, 3]), indexing="ij")
+    ht.assign(L_.reshape(-1), H_.reshape(-1), P_.reshape(-1))            # 12 pieces: full
+    assert ht.free_slots == 0
+    held3 = sorted(ht.slots[:, torch.arange(3) * 5 + 3].reshape(-1).tolist())
+    assert ht.unassign(torch.tensor([3, 3, 0])) == 6 and ht.free_slots == 6      # page 0 had none
+    assert (ht.slots[:, torch.arange(3) * 5 + 3] == -1).all() and (ht.slots[:, torch.arange(3) * 5 + 1] >= 0).all()
+    assert ht.unassign([3]) == 0
+    got = ht.assign([0, 1, 1], [0, 0, 2], [4, 4, 0])
+    assert got.tolist() == held3[:3], "the freed slots come back first, lowest first"
+    assert ht.unassign(torch.tensor([], dtype=torch.int64)) == 0
+
+
+def test_assign_when_full_raises_and_changes_nothing():
+    from oasis_sglang.core.host_tier import HostTierFull
+
+    ht = _compact(S=4, L=2, H=3, P=5)
+    ht.assign([0, 0], [0, 1], [0, 0])
+    table = ht.slots.clone()
+    with pytest.raises(HostTierFull, match="2 free slots of 4; 3 new pieces") as ei:
+        ht.assign([0, 1, 1, 1, 0], [0, 0, 1, 1, 2], [0, 2, 2, 2, 4])     # 1 kept, 3 new (one twice)
+    assert isinstance(ei.value, RuntimeError)
+    assert torch.equal(ht.slots, table) and ht.free_slots == 2
+    assert ht.assign([1, 1], [0, 1], [2, 2]).tolist() == [2, 3] and ht.free_slots == 0
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.0, True, "4", 2**31])
+def test_compact_tier_rejects_bad_num_slots(bad):
+    with pytest.raises(ValueError, match="num_slots"):
+        HostTier(1, 2, 4, 1, 8, 8, torch.float32, num_slots=bad)
+
+
+def test_assign_and_unassign_name_the_bad_argument():
+    ht = _compact(S=10, L=2, H=3, P=5)
+    table = ht.slots.clone()
+    cases = [(([2], [0], [0]), "layers must be in 0..1"), (([0], [3], [0]), "heads must be in 0..2"),
+             (([0], [0], [5]), "pages must be in 0..4"), (([0], [-1], [0]), "heads must be in 0..2"),
+             (([0.0], [0], [0]), "layers must be integers"), (([0], [0], torch.tensor([True])), "pages must be integers"),
+             (([0, 1], [0], [0, 1]), "one length")]
+    for args, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            ht.assign(*args)
+    for bad, msg in (([5], "pages must be in 0..4"), (torch.tensor([0.5]), "pages must be integers")):
+        with pytest.raises(ValueError, match=msg):
+            ht.unassign(bad)
+    assert torch.equal(ht.slots, table) and ht.free_slots == 10
+
+
+def test_compact_reads_go_through_the_table_and_missing_pieces_read_zeros(seed):
+    """``write_kv`` through the table, then ``read_tokens`` / ``read_prefix`` give what the
+    whole tier gives, except pieces without a slot (zeros, as a never-written piece)."""
+    H, D, Dv, bs, P, L = 3, 8, 6, 4, 10, 2
+    whole = HostTier(L, P, bs, H, D, Dv, torch.float32)
+    ht = HostTier(L, P, bs, H, D, Dv, torch.float32, num_slots=L * H * P)
+    perm = torch.randperm(L * H * P)
+    li, hh, pp = perm // (H * P), perm // P % H, perm % P
+    ht.assign(li, hh, pp)
+    assert ht.free_slots == 0
+    ht.unassign([7])
+    loc = torch.randperm(P * bs)[:23]
+    k, v = torch.randn(23, H, D), torch.randn(23, H, Dv)
+    kmin, kmax = torch.zeros(P, H, D), torch.zeros(P, H, D)
+    drop = torch.zeros((), dtype=torch.int64)
+    ops = TorchKVOps()
+    ops.write_kv(whole.k[1], whole.v[1], kmin.clone(), kmax.clone(), loc, k, v, bs)
+    ops.write_kv(*ht.buffers(1), kmin, kmax, loc, k, v, bs, slots=ht.slots[1], dropped=drop)
+    assert int(drop) == H * int((loc // bs == 7).sum())
+    wk, wv = whole.read_tokens(1, loc)
+    gk, gv = ht.read_tokens(1, loc)
+    miss = (loc // bs == 7)
+    wk[miss], wv[miss] = 0, 0
+    assert torch.equal(gk, wk) and torch.equal(gv, wv)
+    row = torch.arange(P * bs, dtype=torch.int32)
+    for n in (0, 13, 28):
+        a, b = whole.read_prefix(1, row, n, "cpu", ops.copy_blocks), ht.read_prefix(1, row, n, "cpu", ops.copy_blocks)
+        ak, av = a
+        ak[torch.arange(n) // bs == 7], av[torch.arange(n) // bs == 7] = 0, 0
+        assert torch.equal(b[0], ak) and torch.equal(b[1], av)
+
+
+def test_compact_on_demand_pool_resident_pages_follow_the_table(seed):
+    H, D, bs, P, L = 2, 64, 16, 8, 2                     # 4 KiB fp32 pieces: whole OS pages
+    ht = HostTier(L, P, bs, H, D, D, torch.float32, num_slots=6)
+    assert ht.on_demand and ht.resident_pages().numel() == 0
+    ht.assign([0, 1, 1], [1, 0, 1], [3, 5, 5])
+    assert ht.resident_pages().numel() == 0, "a slot never written holds no memory"
+    ht.k_pool[int(ht.slots[1, 0 * P + 5])] = 1.0
+    assert ht.resident_pages().tolist() == [5] and ht.resident_bytes() == bs * D * 4
