@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from oasis_sglang.core.ops import TorchKVOps
+from oasis_sglang.core.ops import TorchKVOps, check_slots
 
 from ._common import check_range, checks_enabled, kernel_arg, next_pow2
 from .write_kv import fold_summary_row
@@ -33,12 +33,13 @@ reference = TorchKVOps().append_tokens
 
 @triton.jit
 def _append_tokens_kernel(WsK, WsV, Ids, Rows, Pos, Kn, Vn, HostK, HostV, ReqToToken, Violations, Counters,
-                          Kmin, Kmax, FoldLoc, FoldK,
+                          Kmin, Kmax, FoldLoc, FoldK, Slots, Dropped, P,
                           stride_wk_r, stride_wk_h, stride_wv_r, stride_wv_h, stride_ir, stride_ih,
                           stride_kn_b, stride_kn_h, stride_vn_b, stride_vn_h, stride_hk_h, stride_hv_h,
                           stride_rt, stride_s_p, stride_fk_b, stride_fk_h, H, K, skip_row,
                           BS: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr,
-                          BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, FOLD: tl.constexpr):
+                          BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, FOLD: tl.constexpr,
+                          HAS_SLOTS: tl.constexpr):
     pid = tl.program_id(0)
     b = pid // H
     h = (pid % H).to(tl.int64)
@@ -74,10 +75,19 @@ def _append_tokens_kernel(WsK, WsV, Ids, Rows, Pos, Kn, Vn, HostK, HostV, ReqToT
     vb = tl.load(vbase + t[:, None] * DV + dv[None, :], mask=mv, other=0.0)
     vb = tl.where((t == off)[:, None], vn[None, :], vb)
     page = (tl.load(ReqToToken + row * stride_rt + pos, mask=done, other=0) // BS).to(tl.int64)
-    tl.store(HostK + h * stride_hk_h + page * (BS * D) + t[:, None] * D + d[None, :],
-             kb.to(HostK.dtype.element_ty), mask=done & dm[None, :])
-    tl.store(HostV + h * stride_hv_h + page * (BS * DV) + t[:, None] * DV + dv[None, :],
-             vb.to(HostV.dtype.element_ty), mask=done & dvm[None, :])
+    if HAS_SLOTS:
+        # compact tier: the piece's pool row; none (-1): not written back, BS tokens dropped
+        prow = tl.load(Slots + h * P + page, mask=done, other=0).to(tl.int64)
+        lost = done & (prow < 0)
+        tl.atomic_add(Dropped, lost.to(tl.int64) * BS, mask=lost)
+        done = done & (prow >= 0)
+        kdst = HostK + prow * (BS * D)
+        vdst = HostV + prow * (BS * DV)
+    else:
+        kdst = HostK + h * stride_hk_h + page * (BS * D)
+        vdst = HostV + h * stride_hv_h + page * (BS * DV)
+    tl.store(kdst + t[:, None] * D + d[None, :], kb.to(HostK.dtype.element_ty), mask=done & dm[None, :])
+    tl.store(vdst + t[:, None] * DV + dv[None, :], vb.to(HostV.dtype.element_ty), mask=done & dvm[None, :])
     tl.atomic_add(Counters + 3, done.to(tl.int64), mask=done)
     if FOLD:
         # kernel 1's decode fold (``write_kv(one_token_each=True, write_host=False)``) of this
@@ -90,25 +100,38 @@ def _append_tokens_kernel(WsK, WsV, Ids, Rows, Pos, Kn, Vn, HostK, HostV, ReqToT
 
 
 def append_tokens(ws_k, ws_v, ids, rows, pos, k, v, host_k, host_v, req_to_token, violations, counters,
-                  skip_row: int | None = None, fold=None, num_warps: int = 4) -> None:
+                  skip_row: int | None = None, fold=None, num_warps: int = 4, slots=None, dropped=None) -> None:
     """Triton version of :meth:`TorchKVOps.append_tokens` (same arguments and effect).
 
     ``fold = (kmin, kmax, loc, k)``: the same launch also folds each row's key into its block's
     summary as ``write_kv(..., loc, k, v, one_token_each=True, write_host=False)`` does (kernel
     1's decode launch, which it replaces: one launch per sparse layer and step fewer).
+    ``slots`` / ``dropped``: a compact host tier (``host_k`` / ``host_v`` the pool ``[S, bs,
+    D/Dv]``): a completed block goes to pool row ``slots[h * P + page]``, or at ``-1`` nowhere
+    (``dropped`` += ``bs``, an atomic; not counted in ``counters[3]``).
 
     Raises:
         AssertionError: shapes, strides, dtypes or devices do not match (before the launch).
-        IndexError: with ``OASIS_KERNEL_CHECKS=1``, a row or position out of range.
+        IndexError: with ``OASIS_KERNEL_CHECKS=1``, a row or position out of range, or a slot
+            outside the pool.
     """
     R, H, K, BS, D = ws_k.shape
     DV = ws_v.shape[-1]
     B = rows.shape[0]
     assert ws_v.shape[:4] == (R, H, K, BS) and ids.shape == (R, H, K), (ws_k.shape, ws_v.shape, ids.shape)
     assert k.shape == (B, H, D) and v.shape == (B, H, DV) and pos.shape == (B,), (k.shape, v.shape, pos.shape)
-    assert host_k.shape[0] == H and host_k.shape[2:] == (BS, D) and host_v.shape[2:] == (BS, DV)
+    if slots is None:
+        assert host_k.shape[0] == H and host_k.shape[2:] == (BS, D) and host_v.shape[2:] == (BS, DV)
+        assert host_k.stride()[1:] == (BS * D, D, 1) and host_v.stride()[1:] == (BS * DV, DV, 1)
+        P = host_k.shape[1]
+    else:
+        assert host_k.shape[1:] == (BS, D) and host_v.shape[1:] == (BS, DV) and host_k.shape[0] == host_v.shape[0], \
+            (host_k.shape, host_v.shape)
+        assert host_k.is_contiguous() and host_v.is_contiguous()
+        P = slots.numel() // max(H, 1)
+        check_slots(slots, dropped, H, P, "append_tokens")
+        assert slots.device == ids.device, "append_tokens: slots must be on the working set's device"
     assert ws_k.stride()[2:] == (BS * D, D, 1) and ws_v.stride()[2:] == (BS * DV, DV, 1) and ids.stride(2) == 1
-    assert host_k.stride()[1:] == (BS * D, D, 1) and host_v.stride()[1:] == (BS * DV, DV, 1)
     assert k.stride(2) == 1 and v.stride(2) == 1 and req_to_token.stride(1) == 1
     assert BS & (BS - 1) == 0, "block size must be a power of two"
     dev = ids.device
@@ -118,7 +141,6 @@ def append_tokens(ws_k, ws_v, ids, rows, pos, k, v, host_k, host_v, req_to_token
     assert violations.dtype == counters.dtype == torch.int64 and counters.numel() >= 4
     if fold is not None:
         kmin, kmax, floc, fk = fold
-        P = host_k.shape[1]
         assert kmin.shape == kmax.shape == (P, H, D) and kmin.dtype == kmax.dtype, (kmin.shape, kmax.shape)
         assert kmin.is_contiguous() and kmax.is_contiguous() and kmin.device == kmax.device == dev
         assert floc.shape == (B,) and fk.shape == (B, H, D) and fk.stride(2) == 1, (floc.shape, fk.shape)
@@ -132,15 +154,17 @@ def append_tokens(ws_k, ws_v, ids, rows, pos, k, v, host_k, host_v, req_to_token
         check_range(rows, 0, R, "rows")
         check_range(pos, 0, req_to_token.shape[1], "pos")
         if fold is not None:
-            check_range(floc, 0, host_k.shape[1] * BS, "fold loc (token locations)")
+            check_range(floc, 0, P * BS, "fold loc (token locations)")
+        if slots is not None:
+            check_range(slots, -1, host_k.shape[0], "slots (pool rows)")
     _append_tokens_kernel[(B * H,)](
         ws_k, ws_v, ids, rows, pos, k, v, kernel_arg(host_k, dev), kernel_arg(host_v, dev), req_to_token,
         violations, counters,
         ws_k if kmin is None else kmin, ws_k if kmax is None else kmax, rows if floc is None else floc,
-        k if fk is None else fk,
+        k if fk is None else fk, counters if slots is None else slots, counters if dropped is None else dropped, P,
         ws_k.stride(0), ws_k.stride(1), ws_v.stride(0), ws_v.stride(1), ids.stride(0), ids.stride(1),
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), host_k.stride(0), host_v.stride(0),
         req_to_token.stride(0), 0 if kmin is None else kmin.stride(0), 0 if fk is None else fk.stride(0),
         0 if fk is None else fk.stride(1), H, K, -1 if skip_row is None else int(skip_row),
         BS=BS, D=D, DV=DV, BLOCK_K=next_pow2(K), BLOCK_D=next_pow2(D), BLOCK_DV=next_pow2(DV),
-        FOLD=fold is not None, num_warps=num_warps)
+        FOLD=fold is not None, HAS_SLOTS=slots is not None, num_warps=num_warps)

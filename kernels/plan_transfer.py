@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from oasis_sglang.core.ops import TorchKVOps
+from oasis_sglang.core.ops import TorchKVOps, check_slots
 
 from ._common import check_range, checks_enabled, next_pow2, pair_tile_warps
 
@@ -44,10 +44,11 @@ _UNTOUCHABLE = 1 << 62          # destination key of a kept slot (after every LR
 
 @triton.jit
 def _plan_transfer_kernel(Ids, LastUsed, Rows, Wanted, Forced, Step, Seq, ReqToToken,
-                          Dst, Src, Counts, Counters, Allow,
+                          Dst, Src, Counts, Counters, Allow, Slots, Dropped,
                           stride_ir, stride_ih, stride_wb, stride_wh, stride_rt,
                           H, K, P, W, cap, skip_row,
-                          HAS_CAP: tl.constexpr, HAS_ALLOW: tl.constexpr, BS: tl.constexpr, BLOCK_K: tl.constexpr):
+                          HAS_CAP: tl.constexpr, HAS_ALLOW: tl.constexpr, BS: tl.constexpr, BLOCK_K: tl.constexpr,
+                          HAS_SLOTS: tl.constexpr):
     pid = tl.program_id(0)
     b = pid // H
     h = pid % H
@@ -98,13 +99,22 @@ def _plan_transfer_kernel(Ids, LastUsed, Rows, Wanted, Forced, Step, Seq, ReqToT
     live = filled & (new_blk * BS < seq - 1) & real
     loc = tl.load(ReqToToken + row * stride_rt + tl.minimum(new_blk * BS, W - 1), mask=live, other=0)
     page = (loc // BS).to(tl.int64)
+    if HAS_SLOTS:
+        # compact tier: the piece's pool row; none (-1): no copy, counted in Dropped
+        piece = tl.load(Slots + h * P + page, mask=live, other=0).to(tl.int64)
+        lost = live & (piece < 0)
+        n_lost = tl.sum(lost.to(tl.int64), axis=0)
+        tl.atomic_add(Dropped, n_lost, mask=n_lost > 0)
+        live = live & (piece >= 0)
+    else:
+        piece = h * P + page
     pos = tl.cumsum(live.to(tl.int32), axis=0) - 1
     n_live = tl.sum(live.to(tl.int32), axis=0)
     obase = pid.to(tl.int64) * K
     tl.store(Dst + obase + idx, tl.full((BLOCK_K,), -1, tl.int64), mask=inr & (idx >= n_live))
     tl.store(Src + obase + idx, tl.full((BLOCK_K,), -1, tl.int64), mask=inr & (idx >= n_live))
     tl.store(Dst + obase + pos, (row * H + h) * K + idx, mask=live)
-    tl.store(Src + obase + pos, h * P + page, mask=live)
+    tl.store(Src + obase + pos, piece, mask=live)
     tl.store(Counts + pid, n_live)
     hits = tl.sum(in_held.to(tl.int64), axis=0)
     evicted = tl.sum((filled & ~free).to(tl.int64), axis=0)
@@ -188,8 +198,13 @@ def budget_candidates(ids, rows, wanted, forced, fetch_cap, budget=None, num_war
 
 
 def plan_transfer(ids, last_used, rows, wanted, forced, step, fetch_cap, seq, req_to_token, block_size: int,
-                  num_pages: int, counters, skip_row: int | None = None, allow=None, num_warps: int | None = None):
+                  num_pages: int, counters, skip_row: int | None = None, allow=None, num_warps: int | None = None,
+                  slots=None, dropped=None):
     """Triton version of :meth:`TorchKVOps.plan_transfer` (same arguments and result).
+
+    ``slots`` / ``dropped``: a compact host tier: each live copy's source is pool row
+    ``slots[h * P + page]``; at ``-1`` the copy is not listed and ``dropped`` += 1 (one atomic
+    per program that dropped any).
 
     Raises:
         AssertionError: shapes, strides, dtypes or devices do not match (before the launch).
@@ -210,6 +225,9 @@ def plan_transfer(ids, last_used, rows, wanted, forced, step, fetch_cap, seq, re
     if not torch.is_tensor(step):
         step = torch.tensor(int(step), dtype=torch.int64, device=dev)
     assert step.dtype == torch.int64 and step.numel() == 1 and step.device == dev
+    if slots is not None:
+        check_slots(slots, dropped, H, num_pages, "plan_transfer")
+        assert slots.device == dev, "plan_transfer: slots must be on the working set's device"
     dst = torch.empty((B * H, K), dtype=torch.int64, device=dev)
     src = torch.empty((B * H, K), dtype=torch.int64, device=dev)
     counts = torch.empty((B * H,), dtype=torch.int32, device=dev)
@@ -222,10 +240,10 @@ def plan_transfer(ids, last_used, rows, wanted, forced, step, fetch_cap, seq, re
         check_range(seq, 1, req_to_token.shape[1] + 2, "seq")
     _plan_transfer_kernel[(B * H,)](
         ids, last_used, rows, wanted, forced, step, seq, req_to_token, dst, src, counts, counters,
-        counts if allow is None else allow,
+        counts if allow is None else allow, counts if slots is None else slots, counters if dropped is None else dropped,
         ids.stride(0), ids.stride(1), wanted.stride(0), wanted.stride(1), req_to_token.stride(0),
         H, K, num_pages, req_to_token.shape[1], 0 if fetch_cap is None else min(int(fetch_cap), K),   # >= K: unbounded
         -1 if skip_row is None else int(skip_row),
         HAS_CAP=fetch_cap is not None, HAS_ALLOW=allow is not None, BS=block_size, BLOCK_K=next_pow2(K),
-        num_warps=num_warps or pair_tile_warps(K))
+        HAS_SLOTS=slots is not None, num_warps=num_warps or pair_tile_warps(K))
     return dst, src, counts

@@ -53,9 +53,11 @@ class TritonKVOps(BaseKVOps):
         # None until its first launch worked; False after a first launch failed (the reference then)
         self.dense_plan_kernel_ok: bool | None = None
 
-    def write_kv(self, host_k, host_v, kmin, kmax, loc, k, v, block_size, one_token_each=False, write_host=True):
+    def write_kv(self, host_k, host_v, kmin, kmax, loc, k, v, block_size, one_token_each=False, write_host=True,
+                 slots=None, dropped=None):
         """See :meth:`BaseKVOps.write_kv`; ``one_token_each`` skips segmenting (decode)."""
-        write_kv(host_k, host_v, kmin, kmax, loc, k, v, block_size, one_token_each, write_host)
+        write_kv(host_k, host_v, kmin, kmax, loc, k, v, block_size, one_token_each, write_host,
+                 slots=slots, dropped=dropped)
 
     def select_topk(self, q, kmin, kmax, req_to_token, rows, seq_lens, block_size, sink_blocks,
                     recent_blocks, nb_max, k):
@@ -84,22 +86,23 @@ class TritonKVOps(BaseKVOps):
         return replay_churn(wanted.contiguous(), forced.contiguous(), ids, rows, mean, seq, salt=salt)
 
     def plan_transfer(self, ids, last_used, rows, wanted, forced, step, fetch_cap, seq, req_to_token,
-                      block_size, num_pages, counters, skip_row=None, allow=None):
+                      block_size, num_pages, counters, skip_row=None, allow=None, slots=None, dropped=None):
         """See :meth:`BaseKVOps.plan_transfer` (``kernels.plan_transfer``: one launch)."""
         if ids.shape[-1] > MAX_FUSED_PLAN_K:
             return TorchKVOps.plan_transfer(self, ids, last_used, rows, wanted, forced, step, fetch_cap, seq,
-                                            req_to_token, block_size, num_pages, counters, skip_row, allow)
+                                            req_to_token, block_size, num_pages, counters, skip_row, allow,
+                                            slots=slots, dropped=dropped)
         return plan_transfer(ids, last_used, rows, wanted, forced, step, fetch_cap, seq, req_to_token, block_size,
-                             num_pages, counters, skip_row, allow)
+                             num_pages, counters, skip_row, allow, slots=slots, dropped=dropped)
 
     def append_tokens(self, ws_k, ws_v, ids, rows, pos, k, v, host_k, host_v, req_to_token, violations,
-                      counters, skip_row=None, fold=None):
+                      counters, skip_row=None, fold=None, slots=None, dropped=None):
         """See :meth:`BaseKVOps.append_tokens` (``kernels.append_tokens``: one launch, the fold included)."""
         if ids.shape[-1] > MAX_FUSED_APPEND_K:
             return TorchKVOps.append_tokens(self, ws_k, ws_v, ids, rows, pos, k, v, host_k, host_v, req_to_token,
-                                            violations, counters, skip_row, fold)
+                                            violations, counters, skip_row, fold, slots=slots, dropped=dropped)
         append_tokens(ws_k, ws_v, ids, rows, pos, k, v, host_k, host_v, req_to_token, violations, counters, skip_row,
-                      fold)
+                      fold, slots=slots, dropped=dropped)
 
     def dense_plan(self, ids, last_used, rows, seq, block_size, pipelined, clock_next, counters, skip_row=None):
         """See :meth:`BaseKVOps.dense_plan` (``kernels.dense_plan``: one launch for every layer).

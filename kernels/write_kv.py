@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from oasis_sglang.core.ops import TorchKVOps
+from oasis_sglang.core.ops import TorchKVOps, check_slots
 
 from ._common import check_range, checks_enabled, kernel_arg, next_pow2
 
@@ -30,11 +30,12 @@ reference = TorchKVOps().write_kv
 
 
 @triton.jit
-def _write_kv_kernel(HostK, HostV, Kmin, Kmax, K, V, SegPage, SegOff, SegSrc, SegLen,
+def _write_kv_kernel(HostK, HostV, Kmin, Kmax, K, V, SegPage, SegOff, SegSrc, SegLen, Slots, Dropped,
                      stride_hk_h, stride_hv_h, stride_s_p, stride_k_n, stride_k_h, stride_v_n, stride_v_h,
                      P, N, BS: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
                      BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                     WRITE_HOST: tl.constexpr, ONE_EACH: tl.constexpr, SCAN: tl.constexpr):
+                     WRITE_HOST: tl.constexpr, ONE_EACH: tl.constexpr, SCAN: tl.constexpr,
+                     HAS_SLOTS: tl.constexpr):
     seg = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
     if ONE_EACH:                    # decode: SegPage holds the token locations, one token per segment
@@ -69,13 +70,25 @@ def _write_kv_kernel(HostK, HostV, Kmin, Kmax, K, V, SegPage, SegOff, SegSrc, Se
     m = tm[:, None] & dm[None, :]
     k = tl.load(K + (src + t)[:, None] * stride_k_n + h * stride_k_h + d[None, :], mask=m, other=0.0)
     if WRITE_HOST:
-        host_tok = h * stride_hk_h + (page * BS + off0 + t)[:, None] * D
-        tl.store(HostK + host_tok + d[None, :], k.to(HostK.dtype.element_ty), mask=m)
         dv = tl.arange(0, BLOCK_DV)
         mv = tm[:, None] & (dv < DV)[None, :]
-        v = tl.load(V + (src + t)[:, None] * stride_v_n + h * stride_v_h + dv[None, :], mask=mv, other=0.0)
-        tl.store(HostV + h * stride_hv_h + (page * BS + off0 + t)[:, None] * DV + dv[None, :],
-                 v.to(HostV.dtype.element_ty), mask=mv)
+        if HAS_SLOTS:
+            # compact tier: the piece's pool row, or none (-1: the write is dropped and counted)
+            nt = (n + tl.zeros((), tl.int32)).to(tl.int64)        # (a Python 1 in the decode launch)
+            prow = tl.load(Slots + h * P + page, mask=nt > 0, other=0).to(tl.int64)
+            has = prow >= 0
+            tl.atomic_add(Dropped, nt, mask=(~has) & (nt > 0))
+            tl.store(HostK + prow * (BS * D) + (off0 + t)[:, None] * D + d[None, :], k.to(HostK.dtype.element_ty),
+                     mask=m & has)
+            v = tl.load(V + (src + t)[:, None] * stride_v_n + h * stride_v_h + dv[None, :], mask=mv & has, other=0.0)
+            tl.store(HostV + prow * (BS * DV) + (off0 + t)[:, None] * DV + dv[None, :], v.to(HostV.dtype.element_ty),
+                     mask=mv & has)
+        else:
+            host_tok = h * stride_hk_h + (page * BS + off0 + t)[:, None] * D
+            tl.store(HostK + host_tok + d[None, :], k.to(HostK.dtype.element_ty), mask=m)
+            v = tl.load(V + (src + t)[:, None] * stride_v_n + h * stride_v_h + dv[None, :], mask=mv, other=0.0)
+            tl.store(HostV + h * stride_hv_h + (page * BS + off0 + t)[:, None] * DV + dv[None, :],
+                     v.to(HostV.dtype.element_ty), mask=mv)
     kc = k.to(HostK.dtype.element_ty).to(Kmin.dtype.element_ty).to(tl.float32)   # as the tier holds it (fp8)
     lo = tl.min(tl.where(m, kc, float("inf")), axis=0)
     hi = tl.max(tl.where(m, kc, float("-inf")), axis=0)
@@ -122,8 +135,12 @@ def segments(loc: torch.Tensor, block_size: int, one_token_each: bool = False):
 
 
 def write_kv(host_k, host_v, kmin, kmax, loc, k, v, block_size: int, one_token_each: bool = False,
-             write_host: bool = True, scan: bool | None = None) -> None:
+             write_host: bool = True, scan: bool | None = None, slots=None, dropped=None) -> None:
     """Triton version of :meth:`TorchKVOps.write_kv` (same arguments; see there).
+
+    ``slots`` / ``dropped``: a compact host tier (``host_k [S, bs, D]``, ``host_v [S, bs, Dv]``
+    the pool): each (segment, KV head) program reads its piece's pool row once, stores there or,
+    at ``-1``, nowhere and adds its tokens to ``dropped`` (an atomic).
 
     ``one_token_each=True`` when each token is in its own block (decode batches: no sync).
     ``scan``: a prefill's runs are found inside the kernel (one program per token and KV head;
@@ -131,12 +148,19 @@ def write_kv(host_k, host_v, kmin, kmax, loc, k, v, block_size: int, one_token_e
     host sync per sparse layer of every prefill forward). ``None``: on CUDA.
     Raises:
         AssertionError: shapes, strides or dtypes do not match the layouts.
-        IndexError: with ``OASIS_KERNEL_CHECKS=1``, a location outside the host tier.
+        IndexError: with ``OASIS_KERNEL_CHECKS=1``, a location outside the host tier, or a
+            slot outside the pool.
     """
-    H, P, bs, D = host_k.shape
+    if slots is None:
+        H, P, bs, D = host_k.shape
+        assert bs == block_size and host_v.shape[:3] == (H, P, bs), (host_k.shape, host_v.shape)
+    else:
+        (P, H, _), (S, bs, D) = kmin.shape, host_k.shape
+        assert bs == block_size and host_v.shape[:2] == (S, bs), (host_k.shape, host_v.shape)
+        check_slots(slots, dropped, H, P, "write_kv")
+        assert slots.device == kmin.device, "write_kv: slots must be on the summaries' device"
     Dv = host_v.shape[-1]
     N = loc.numel()
-    assert bs == block_size and host_v.shape[:3] == (H, P, bs), (host_k.shape, host_v.shape)
     assert host_k.is_contiguous() and host_v.is_contiguous() and kmin.is_contiguous() and kmax.is_contiguous()
     assert kmin.shape == kmax.shape == (P, H, D) and kmin.dtype == kmax.dtype
     assert k.shape == (N, H, D) and v.shape == (N, H, Dv), (k.shape, v.shape, N)
@@ -145,6 +169,8 @@ def write_kv(host_k, host_v, kmin, kmax, loc, k, v, block_size: int, one_token_e
         return
     if checks_enabled():
         check_range(loc, 0, P * bs, "loc (token locations)")
+        if slots is not None and write_host:
+            check_range(slots, -1, host_k.shape[0], "slots (pool rows)")
     dev = kmin.device
     scan = not one_token_each and (dev.type == "cuda" if scan is None else bool(scan))
     if one_token_each or scan:      # the kernel splits the locations itself: no index ops before it
@@ -155,6 +181,7 @@ def write_kv(host_k, host_v, kmin, kmax, loc, k, v, block_size: int, one_token_e
     grid = (page.numel(), H)
     _write_kv_kernel[grid](
         kernel_arg(host_k, dev), kernel_arg(host_v, dev), kmin, kmax, k, v, page, off, src, length,
+        page if slots is None else slots, page if dropped is None else dropped,
         host_k.stride(0), host_v.stride(0), kmin.stride(0), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         P, N, BS=bs, D=D, DV=Dv, BLOCK_T=next_pow2(bs), BLOCK_D=next_pow2(D), BLOCK_DV=next_pow2(Dv),
-        WRITE_HOST=write_host, ONE_EACH=one_token_each, SCAN=scan)
+        WRITE_HOST=write_host, ONE_EACH=one_token_each, SCAN=scan, HAS_SLOTS=slots is not None)

@@ -711,6 +711,200 @@ def test_append_tokens_equals_reference_exactly(seed, dtype, fold):
         assert torch.equal(hk[h, page].cpu(), ws_k[r, h, e].cpu()) and torch.equal(ws_k[r, h, e, bs - 1].cpu(), k[b, h].cpu())
 
 
+# ---- compact host tier: the slot indirection of kernels 1, 6 and 7 ----------------------------------
+def slot_table(H, P, extra=3, holes=0.25):
+    """``(S, slots [H * P] int32 on DEV)``: a random permutation of pool rows ``0 .. S - 1``
+    (``S = H * P + extra``), about ``holes`` of the pieces without a slot (``-1``)."""
+    S = H * P + extra
+    t = torch.randperm(S)[:H * P].to(torch.int32)
+    t[torch.rand(H * P) < holes] = -1
+    t[0] = -1
+    return S, t.to(DEV)
+
+
+def pool_tensor(S, bs, D, dtype):
+    return host_tensor((S, bs, D), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scan", [False, True], ids=["segments", "scan"])
+def test_write_kv_through_slots_equals_reference_exactly(seed, dtype, scan):
+    """Prefill chunks then decode tokens into a compact pool (random slot permutation, some
+    pieces without a slot): pool, summaries and the dropped count bit for bit the reference's;
+    every piece with a slot holds what the whole tier holds, the pool rows of no piece are
+    untouched, and ``dropped`` counts the (token, KV head) writes to pieces without one."""
+    H, D, Dv, bs = 2, 16, 8, 8
+    lens = [int(x) for x in torch.randint(1, 5 * bs, (3,))]
+    rtt, P = layout([n + 4 for n in lens], bs)
+    S, slots = slot_table(H, P)
+    hk, hv = pool_tensor(S, bs, D, dtype), pool_tensor(S, bs, Dv, dtype)          # poisoned
+    kmin, kmax = torch.randn(P, H, D).to(dtype).to(DEV), torch.randn(P, H, D).to(dtype).to(DEV)
+    drop = torch.zeros((), dtype=torch.int64, device=DEV)
+    ref = [t.clone() for t in (hk, hv, kmin, kmax, drop)]
+    whole = [torch.zeros((H, P, bs, D)).to(dtype), torch.zeros((H, P, bs, Dv)).to(dtype), kmin.clone(), kmax.clone()]
+    before = (hk.clone(), hv.clone())
+    sl = slots.cpu().long()
+    for h in range(H):                             # the whole tier starts as the pool's poison
+        for p in range(P):
+            if int(sl[h * P + p]) >= 0:
+                whole[0][h, p], whole[1][h, p] = hk[int(sl[h * P + p])].cpu(), hv[int(sl[h * P + p])].cpu()
+    cut = [int(torch.randint(0, n + 1, ())) for n in lens]
+    steps = [[(r, 0, cut[r]) for r in range(3)], [(r, cut[r], lens[r]) for r in range(3)]]
+    steps += [[(r, lens[r] + i, lens[r] + i + 1) for r in range(3)] for i in range(4)]
+    want_drop = 0
+    for si, step in enumerate(steps):
+        loc = torch.cat([rtt[r, a:b] for r, a, b in step]).long().to(DEV)
+        k, v = torch.randn(loc.numel(), H, D).to(dtype).to(DEV), torch.randn(loc.numel(), H, Dv).to(dtype).to(DEV)
+        one = si >= 2
+        write_kv(hk, hv, kmin, kmax, loc, k, v, bs, one_token_each=one, scan=scan, slots=slots, dropped=drop)
+        REF.write_kv(*ref[:4], loc, k, v, bs, slots=slots, dropped=ref[4])
+        REF.write_kv(*whole, loc, k, v, bs)
+        pc = (torch.arange(H)[None, :] * P + (loc.cpu() // bs)[:, None])
+        want_drop += int((slots.cpu()[pc] < 0).sum())
+    if CUDA:
+        torch.cuda.synchronize()
+    for got, want in zip((hk, hv, kmin, kmax, drop), ref):
+        assert torch.equal(got.cpu(), want.cpu())
+    assert int(drop) == want_drop > 0
+    assert torch.equal(kmin.cpu(), whole[2].cpu()) and torch.equal(kmax.cpu(), whole[3].cpu()), "summaries: all tokens"
+    sl = slots.cpu().long()
+    for h in range(H):
+        for p in range(P):
+            r = int(sl[h * P + p])
+            if r >= 0:
+                assert torch.equal(hk[r].cpu(), whole[0][h, p]) and torch.equal(hv[r].cpu(), whole[1][h, p])
+    unused = torch.ones(S, dtype=torch.bool)
+    unused[sl[sl >= 0]] = False
+    assert torch.equal(hk.cpu()[unused], before[0].cpu()[unused]) and torch.equal(hv.cpu()[unused], before[1].cpu()[unused])
+
+
+@pytest.mark.parametrize("cap", [None, 1])
+def test_plan_transfer_through_slots_equals_reference_exactly(seed, cap):
+    """30 steps of random predictions, with a padding row: the kernel with ``slots`` equals the
+    reference with ``slots`` exactly (tables, clock, lists, counts, counters, dropped); both
+    equal the whole tier's plan with each source mapped through the table and the copies from
+    pieces without a slot left out (and counted in ``dropped``, not as copied)."""
+    R, H, bs, NB, K = 6, 3, 4, 24, 8
+    rows = torch.tensor([2, 0, 5, 3], device=DEV)
+    pad = 0
+    rtt, P = layout([NB * bs] * R, bs)
+    rtt = rtt.to(DEV)
+    S, slots = slot_table(H, P)
+    sl = slots.cpu().long()
+
+    def fresh():
+        return [torch.full((R, H, K), -1, dtype=torch.int64, device=DEV), torch.zeros((R, H, K), dtype=torch.int64, device=DEV),
+                torch.zeros(4, dtype=torch.int64, device=DEV), torch.zeros((), dtype=torch.int64, device=DEV)]
+    state = [fresh() for _ in range(3)]           # reference + slots, kernel + slots, whole tier
+    seq = torch.tensor([9, 14, 3, 30], device=DEV)
+    dropped_total = 0
+    for step in range(1, 31):
+        seq = (seq + torch.randint(0, 2, (4,), device=DEV)).clamp(max=NB * bs)
+        nb, nc = (seq + bs - 1) // bs, seq // bs
+        scores = torch.randint(-3, 4, (4, H, NB), device=DEV).float()
+        wanted, forced = select_blocks(scores, nb, nc, K, 1, 2)
+        st = torch.tensor(step, dtype=torch.int64, device=DEV)
+        out = []
+        for (ids, lru, ctr, drop), fn in zip(state[:2], (REF.plan_transfer, plan_transfer)):
+            out.append(fn(ids, lru, rows, wanted, forced, st, cap, seq, rtt, bs, P, ctr, skip_row=pad,
+                          slots=slots, dropped=drop))
+        ids, lru, ctr, _ = state[2]
+        whole = REF.plan_transfer(ids, lru, rows, wanted, forced, st, cap, seq, rtt, bs, P, ctr, skip_row=pad)
+        for a, b in zip(*out):
+            assert torch.equal(a.cpu(), b.cpu()), step
+        for a, b in zip(*state[:2]):
+            assert torch.equal(a.cpu(), b.cpu()), step
+        assert torch.equal(state[0][0].cpu(), state[2][0].cpu()) and torch.equal(state[0][1].cpu(), state[2][1].cpu())
+        dst, src, counts = (t.cpu() for t in out[1])
+        wd, ws, wc = (t.cpu() for t in whole)
+        for i in range(wd.shape[0]):
+            n = int(wc[i])
+            keep = sl[ws[i, :n]] >= 0
+            m = int(keep.sum())
+            dropped_total += n - m
+            assert int(counts[i]) == m
+            assert torch.equal(dst[i, :m], wd[i, :n][keep]) and torch.equal(src[i, :m], sl[ws[i, :n][keep]])
+            assert (dst[i, m:] == -1).all() and (src[i, m:] == -1).all()
+    assert int(state[1][3]) == dropped_total > 0
+    c_slots, c_whole = state[1][2].cpu(), state[2][2].cpu()
+    assert int(c_whole[1] - c_slots[1]) == dropped_total and torch.equal(c_slots[[0, 2]], c_whole[[0, 2]])
+
+
+@pytest.mark.parametrize("fold", [False, True], ids=["append", "append+fold"])
+def test_append_tokens_through_slots_equals_reference_exactly(seed, fold):
+    """Completed blocks written back through the slot table: the kernel equals the reference
+    exactly; a block with a slot lands in its pool row as the whole tier's piece does, one
+    without is written nowhere (``dropped`` += bs, not counted as written back)."""
+    R, H, K, bs, D, Dv = 5, 2, 4, 8, 16, 8
+    dtype = torch.float32
+    rtt, P = layout([K * 2 * bs] * R, bs)
+    rtt = rtt.to(DEV)
+    S, slots = slot_table(H, P, holes=0.0)
+    ids = torch.stack([torch.randperm(2 * K)[:K] for _ in range(R * H)]).view(R, H, K).to(DEV)
+    rows = torch.tensor([1, 3, 4, 0, 2], device=DEV)
+    blk = ids[rows, 0, torch.randint(0, K, (5,))]
+    pos = blk * bs + torch.tensor([bs - 1, 3, bs - 1, bs - 1, 0], device=DEV)
+    page0 = int(rtt[1, int(pos[0])]) // bs
+    slots[0 * P + page0] = -1                      # batch entry 0's block of KV head 0: no slot
+    k, v = torch.randn(5, H, D).to(DEV), torch.randn(5, H, Dv).to(DEV)
+    states = []
+    for fn, compact in ((REF.append_tokens, True), (append_tokens, True), (REF.append_tokens, False)):
+        ws_k = torch.randn(R, H, K, bs, D, generator=torch.Generator().manual_seed(1)).to(DEV)
+        ws_v = torch.randn(R, H, K, bs, Dv, generator=torch.Generator().manual_seed(2)).to(DEV)
+        if compact:
+            hk, hv = pool_tensor(S, bs, D, dtype).zero_(), pool_tensor(S, bs, Dv, dtype).zero_()
+        else:
+            hk, hv = host_tensor((H, P, bs, D), dtype).zero_(), host_tensor((H, P, bs, Dv), dtype).zero_()
+        viol, ctr = torch.zeros((), dtype=torch.int64, device=DEV), torch.zeros(4, dtype=torch.int64, device=DEV)
+        drop = torch.zeros((), dtype=torch.int64, device=DEV)
+        g = torch.Generator().manual_seed(3)
+        kmin = torch.randn(P, H, D, generator=g).to(DEV)
+        kmax = kmin + torch.rand(P, H, D, generator=g).to(DEV)
+        floc = rtt[rows, pos].long()
+        kw = dict(slots=slots, dropped=drop) if compact else {}
+        fn(ws_k, ws_v, ids, rows, pos, k, v, hk, hv, rtt, viol, ctr, skip_row=0,
+           fold=(kmin, kmax, floc, k) if fold else None, **kw)
+        states.append((ws_k, ws_v, hk, hv, viol, ctr, kmin, kmax, drop))
+    if CUDA:
+        torch.cuda.synchronize()
+    for a, b in zip(*states[:2]):
+        assert torch.equal(a.cpu(), b.cpu())
+    ws_k, ws_v, hk, hv, viol, ctr, kmin, kmax, drop = (t.cpu() for t in states[1])
+    w = [t.cpu() for t in states[2]]
+    assert torch.equal(ws_k, w[0]) and torch.equal(kmin, w[6]) and torch.equal(kmax, w[7]) and int(viol) == int(w[4])
+    # entries 0 and 2 complete their blocks: written back where resident (KV head 0 always), one dropped
+    done = [(b, h) for b in (0, 2) for h in range(H) if (ids[int(rows[b]), h] == int(pos[b]) // bs).any()]
+    assert int(w[5][3]) == len(done) >= 2 and int(ctr[3]) == len(done) - 1 and int(drop) == bs
+    sl = slots.cpu().long()
+    for h in range(H):
+        for p in range(P):
+            r = int(sl[h * P + p])
+            if r >= 0:
+                assert torch.equal(hk[r], w[2][h, p]) and torch.equal(hv[r], w[3][h, p])
+    assert w[2][0, page0].abs().sum() > 0, "the whole tier wrote the piece the compact one dropped"
+
+
+def test_slot_kernels_refuse_bad_slot_arguments(seed, monkeypatch):
+    """``slots`` of the wrong dtype or length, or without ``dropped``, are refused before the
+    launch; with ``OASIS_KERNEL_CHECKS=1`` a slot outside the pool raises IndexError naming it."""
+    H, D, bs, P, S = 2, 8, 4, 6, 5
+    hk, hv = pool_tensor(S, bs, D, torch.float32), pool_tensor(S, bs, D, torch.float32)
+    kmin, kmax = torch.zeros(P, H, D, device=DEV), torch.zeros(P, H, D, device=DEV)
+    loc, k = torch.arange(3, device=DEV), torch.randn(3, H, D, device=DEV)
+    drop = torch.zeros((), dtype=torch.int64, device=DEV)
+    good = torch.full((H * P,), -1, dtype=torch.int32, device=DEV)
+    for bad, d in ((good.long(), drop), (good[:-1], drop), (good, None)):
+        with pytest.raises(AssertionError, match="slots"):
+            write_kv(hk, hv, kmin, kmax, loc, k, k, bs, slots=bad, dropped=d)
+        with pytest.raises(AssertionError, match="slots"):
+            REF.write_kv(hk, hv, kmin, kmax, loc, k, k, bs, slots=bad, dropped=d)
+    monkeypatch.setenv("OASIS_KERNEL_CHECKS", "1")
+    out = good.clone()
+    out[0] = S
+    with pytest.raises(IndexError, match="slots"):
+        write_kv(hk, hv, kmin, kmax, loc, k, k, bs, slots=out, dropped=drop)
+
+
 # ---- the engine with the Triton ops equals the engine with the torch references ---------------------
 def test_engine_triton_ops_equal_torch_ops(seed):
     cfg = OasisConfig(budget_tokens=64, block_size=8, fetch_cap=2, sink_blocks=1, recent_blocks=1, dense_layers=(0,))
