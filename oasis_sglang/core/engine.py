@@ -75,10 +75,18 @@ class OasisSparseKV:
             ``"current"``; the glue resolves it with ``cfg.predictor_for``).
         padding_row: the request row that pads a captured batch (SGLang's ``ReqToTokenPool``
             never hands out row 0): its tokens are never written back, counted or checked.
+        host_slots: ``None`` (default): the whole host tier. An int ``S``: a compact host tier
+            of ``S`` pieces (``HostTier(num_slots=S)``; a PD decode node's, disagg/README.md):
+            the engine keeps a device copy of its slot table (``host_slots_d [L, H * P]``
+            int32), every kernel reaches the host tier through its layer's row, and pieces get
+            and give back slots with ``assign_host_pieces`` / ``free_host_pages``. A write to
+            a piece without a slot is dropped and a copy from one not made; both are counted in
+            ``host_dropped`` (``[L, 2]`` int64 device: (token, KV head) writes, copies).
     Raises:
         OasisConfigError: a dense layer index is out of range; ``measure_agreement`` with a
             synchronous predictor.
-        ValueError: an fp8 ``dtype`` without ``compute_dtype``, or an fp8 ``compute_dtype``.
+        ValueError: an fp8 ``dtype`` without ``compute_dtype``, or an fp8 ``compute_dtype``; a bad
+            ``host_slots`` (``HostTier``).
 
     ``bench`` (:class:`BenchHooks`) holds the benchmark / test switches; serving leaves them off.
     """
@@ -86,7 +94,8 @@ class OasisSparseKV:
     def __init__(self, cfg: OasisConfig, num_layers: int, num_tokens: int, num_rows: int,
                  head_num: int, head_dim: int, v_head_dim: int, dtype: torch.dtype,
                  device: torch.device | str, ops: BaseKVOps | None = None, predictor: str | None = None,
-                 padding_row: int | None = None, compute_dtype: torch.dtype | None = None):
+                 padding_row: int | None = None, compute_dtype: torch.dtype | None = None,
+                 host_slots: int | None = None):
         cfg.check_model(num_layers)
         sdtype = summary_dtype(dtype, compute_dtype)
         if predictor is None:
@@ -105,7 +114,13 @@ class OasisSparseKV:
         pin = self.device.type == "cuda"
         L = len(self.sparse_layers)
         self.host = HostTier(L, num_pages, self.bs, head_num, head_dim, v_head_dim, dtype, pin_memory=pin,
-                             pin_device=self.device.index if pin else None)
+                             pin_device=self.device.index if pin else None, num_slots=host_slots)
+        # a compact host tier: the slot table's device copy (the kernels' ``slots``), kept in step
+        # with ``host.slots`` by assign_host_pieces / free_host_pages; dropped host writes (token,
+        # KV head) and copies not made (pieces) per sparse layer, one column each so the compute
+        # stream (writes) and a prefetch stream (copies) never update one element
+        self.host_slots_d = self.host.slots.to(self.device) if self.host.compact else None
+        self.host_dropped = torch.zeros((L, 2), dtype=torch.int64, device=self.device)
         self.kv_dtype = dtype
         self.summaries = KeySummaries(L, num_pages, head_num, head_dim, sdtype, self.device)
         self.ws = WorkingSet(L, num_rows, head_num, cfg.budget_blocks, self.bs, head_dim, v_head_dim, dtype, self.device)
@@ -121,7 +136,8 @@ class OasisSparseKV:
         # the step budget (core/budget.py): blocks per sparse layer and step, a device scalar
         self.budget = TransferBudget(cfg.transfer_budget, self.block_bytes, L, self.device)
         self.stages = PrefetchStages(cfg, ops, self.summaries, self.ws, self.host, self.counters, self.pipe,
-                                     self.record, self._bench, padding_row, self.budget)
+                                     self.record, self._bench, padding_row, self.budget,
+                                     host_slots=self.host_slots_d, host_dropped=self.host_dropped)
         self._clock = torch.zeros((), dtype=torch.int64, device=self.device)   # LRU clock (device)
         self._host_steps = 0               # eager + replayed decode steps (host count)
         self._step: DecodeStep | None = None
@@ -282,12 +298,13 @@ class OasisSparseKV:
         if self.device.type != "cuda" or not self.sparse_layers:
             return None
         bs, D, Dv, H, P = self.bs, self.head_dim, self.v_head_dim, self.head_num, self.host.num_pages
-        n = max(1, min(int(pieces), H * P))
-        src = torch.randperm(H * P, device=self.device)[:n]
+        rows = self.host.num_slots if self.host.compact else H * P     # pool rows, or layer 0's pieces
+        n = max(1, min(int(pieces), rows))
+        src = torch.randperm(rows, device=self.device)[:n]
         dst = torch.arange(n, device=self.device)
         k = torch.empty((n, bs * D), dtype=self.host.dtype, device=self.device)
         v = torch.empty((n, bs * Dv), dtype=self.host.dtype, device=self.device)
-        hk, hv = self.host.k[0].view(-1, bs * D), self.host.v[0].view(-1, bs * Dv)
+        hk, hv = self.host.piece_views(0)
         self.ops.copy_blocks(k, v, dst, hk, hv, src)                  # warm-up (compiles the kernel)
         best = float("inf")
         for _ in range(max(1, int(repeats))):
@@ -311,7 +328,12 @@ class OasisSparseKV:
         Raises:
             ValueError: ``remote`` sized for another host tier (layers, KV heads or pages), or
                 keeping its device state on another device than this engine's.
+            NotImplementedError: a compact host tier (``host_slots``; its plans list pool rows,
+                which ``RemoteBlocks`` does not read yet).
         """
+        if remote is not None and self.host.compact:
+            raise NotImplementedError("attach_remote: a compact host tier (host_slots) is not wired to RemoteBlocks "
+                                      "yet (its plans list pool rows, not pieces h * P + page)")
         if remote is not None and (remote.L, remote.H, remote.P) != (
                 len(self.sparse_layers), self.head_num, self.host.num_pages):
             raise ValueError(f"attach_remote: RemoteBlocks for {(remote.L, remote.H, remote.P)} (layers, KV heads, "
@@ -393,12 +415,19 @@ class OasisSparseKV:
         slot = (row * H + hh) * K + torch.arange(K, dtype=torch.int64)[None, :]          # [H, K]
         live = (ids >= 0) & (ids < N)                                                     # [L, H, K]
         dst = to_device(torch.where(live, slot, -1), dev)
-        src = to_device(hh * P + pages[ids.clamp(0, N - 1)], dev)
+        src = hh * P + pages[ids.clamp(0, N - 1)]                                        # [L, H, K] pieces
+        if self.host.compact:            # their pool rows; a piece without one: no copy, counted
+            src = self.host.slots.to(torch.int64).gather(1, src.reshape(L, -1)).view(L, H, K)
+            lost = live & (src < 0)
+            live = live & (src >= 0)
+            dst = to_device(torch.where(live, slot, -1), dev)
+            self.host_dropped[:, 1] += to_device(lost.sum((1, 2)), dev)
+        src = to_device(src, dev)
         D, Dv = self.head_dim, self.v_head_dim
         for li in range(L):
+            hk, hv = self.host.piece_views(li)
             self.ops.copy_blocks(self.ws.k[li].view(-1, bs * D), self.ws.v[li].view(-1, bs * Dv), dst[li].reshape(-1),
-                                 self.host.k[li].view(-1, bs * D), self.host.v[li].view(-1, bs * Dv),
-                                 src[li].reshape(-1))
+                                 hk, hv, src[li].reshape(-1))
         # admitted (copied host -> device) blocks, as the transfer stage counts them
         self.counters[:, 1] += to_device(live.sum((1, 2)), dev)
         self._install_row(row, ids_d, seq_next)
@@ -448,7 +477,7 @@ class OasisSparseKV:
             self._folds[li] = (loc, k, v)
             return
         s = self.summaries
-        self.ops.write_kv(self.host.k[li], self.host.v[li], s.kmin[li], s.kmax[li], loc, k, v, self.bs)
+        self.ops.write_kv(*self.host.buffers(li), s.kmin[li], s.kmax[li], loc, k, v, self.bs, **self._host_kw(li))
 
     def _flush_fold(self, li: int) -> None:
         """The deferred summary fold of sparse layer ``li``'s last decode write, on its own
@@ -458,8 +487,8 @@ class OasisSparseKV:
             return
         self._folds[li] = None
         s = self.summaries
-        self.ops.write_kv(self.host.k[li], self.host.v[li], s.kmin[li], s.kmax[li], f[0], f[1], f[2], self.bs,
-                          one_token_each=True, write_host=False)
+        self.ops.write_kv(*self.host.buffers(li), s.kmin[li], s.kmax[li], f[0], f[1], f[2], self.bs,
+                          one_token_each=True, write_host=False, **self._host_kw(li))
 
     def _flush_folds(self) -> None:
         """Every sparse layer's pending fold (``_flush_fold``; nothing to do, the usual case, costs
@@ -609,7 +638,63 @@ class OasisSparseKV:
         Returns:
             ``(k [n, H, D], v [n, H, Dv])`` in the host tier's dtype.
         """
+        if self.host.compact:
+            slots = self.host_slots_d[layer_id_index]
+            return self.host.read_prefix(layer_id_index, req_to_token_row, n, device, self.ops.copy_blocks,
+                                         slots=slots if slots.device == torch.device(device) else None)
         return self.host.read_prefix(layer_id_index, req_to_token_row, n, device, self.ops.copy_blocks)
+
+    # ---- a compact host tier's slots -----------------------------------------------------
+    def _host_kw(self, li: int) -> dict:
+        """The ``slots`` / ``dropped`` arguments of a host write of sparse layer ``li`` (a
+        compact tier: its table row on the device and its dropped-writes counter; else none,
+        so the whole tier's calls are exactly as before)."""
+        if self.host_slots_d is None:
+            return {}
+        return {"slots": self.host_slots_d[li], "dropped": self.host_dropped[li, 0]}
+
+    def assign_host_pieces(self, layers, heads, pages) -> torch.Tensor:
+        """Give host pieces ``(layers[i], heads[i], pages[i])`` (sparse-layer index, KV head,
+        host page; ``[N]`` integers) slots of the compact host tier (``HostTier.assign``: a
+        piece keeps a slot it has, duplicates share one) and copy them into the device table
+        (staged through page-locked memory on CUDA: no wait for the device, ``devcopy``).
+
+        Returns: ``[N]`` int64 (CPU) the pieces' pool rows.
+        Raises:
+            RuntimeError: the whole host tier (no ``host_slots``).
+            ValueError: a bad argument (``HostTier.assign``); HostTierFull: not enough free slots
+                (both before anything changes)."""
+        if self.host_slots_d is None:
+            raise RuntimeError("assign_host_pieces: this engine's host tier is whole (no host_slots)")
+        got = self.host.assign(layers, heads, pages)
+        if got.numel():
+            li = torch.as_tensor(layers).reshape(-1).to(torch.int64)
+            hh = torch.as_tensor(heads).reshape(-1).to(torch.int64)
+            pp = torch.as_tensor(pages).reshape(-1).to(torch.int64)
+            flat = (li * self.head_num + hh) * self.host.num_pages + pp
+            self.host_slots_d.view(-1).index_copy_(0, to_device(flat, self.device),
+                                                   to_device(got, self.device, torch.int32))
+        return got
+
+    def free_host_pages(self, pages) -> int:
+        """Free every slot (all sparse layers and KV heads) of host pages ``pages [M]`` in the
+        compact host tier and in the device table (``HostTier.unassign``). Orders the current
+        stream after the last forward and every prefetch in flight first (as ``reset_rows``),
+        so no queued kernel reads or writes a freed slot through the old table.
+
+        Returns: the number of slots freed.
+        Raises:
+            RuntimeError: the whole host tier. ValueError: bad pages (before anything changes)."""
+        if self.host_slots_d is None:
+            raise RuntimeError("free_host_pages: this engine's host tier is whole (no host_slots)")
+        n = self.host.unassign(pages)
+        if n:
+            self._after_forward()
+            self.pipe.drain()
+            pp = torch.unique(torch.as_tensor(pages).reshape(-1).to(torch.int64))
+            cols = (torch.arange(self.head_num, dtype=torch.int64)[:, None] * self.host.num_pages + pp[None, :])
+            self.host_slots_d.index_fill_(1, to_device(cols.reshape(-1), self.device), -1)
+        return n
 
     # ---- decode ---------------------------------------------------------------------------
     def begin_decode_step(self, rows: torch.Tensor, seq_lens: torch.Tensor, req_to_token: torch.Tensor, *,
@@ -972,8 +1057,8 @@ class OasisSparseKV:
         # the new token into its resident block; completed blocks written back to the host tier
         self.ops.append_tokens(self.ws.k[li], self.ws.v[li], self.ws.ids[li], rows, st.seq_m1,
                                k_new.view(B, self.head_num, self.head_dim), v_new.view(B, self.head_num, self.v_head_dim),
-                               self.host.k[li], self.host.v[li], rtt, self.ws.violations, self.counters[li],
-                               skip_row=self.padding_row,
+                               *self.host.buffers(li), rtt, self.ws.violations, self.counters[li],
+                               skip_row=self.padding_row, **self._host_kw(li),
                                fold=None if fold is None else (self.summaries.kmin[li], self.summaries.kmax[li],
                                                                fold[0], fold[1]))
         if q_draft is None:

@@ -44,12 +44,18 @@ class PrefetchStages:
         bench: its ``BenchHooks`` (read at call time). padding_row: the request row that pads
             a captured batch, or ``None``. budget: the engine's ``TransferBudget`` (``None``
             or disabled: the cap alone).
+        host_slots / host_dropped: a compact host tier (``HostTier(num_slots=...)``): the
+            engine's device copy of the slot table ``[L, H * P]`` int32 and its ``[L, 2]`` int64
+            dropped counters (column 1: copies not made, a piece without a slot); ``None``: the
+            whole tier.
     """
 
     def __init__(self, cfg: OasisConfig, ops: BaseKVOps, summaries: KeySummaries, ws: WorkingSet, host: HostTier,
                  counters: torch.Tensor, pipe: PrefetchPipeline, record: PredictionRecord, bench: BenchHooks,
-                 padding_row: int | None, budget: TransferBudget | None = None):
+                 padding_row: int | None, budget: TransferBudget | None = None,
+                 host_slots: torch.Tensor | None = None, host_dropped: torch.Tensor | None = None):
         self.cfg, self.ops, self.summaries, self.ws, self.host = cfg, ops, summaries, ws, host
+        self.host_slots, self.host_dropped = host_slots, host_dropped
         self.budget = budget
         self.remote = None       # a PD decode node's RemoteBlocks (core/remote.py): pieces read on demand
         self.counters, self.pipe, self.record, self.bench, self.padding_row = counters, pipe, record, bench, padding_row
@@ -100,9 +106,10 @@ class PrefetchStages:
             cand = self.ops.budget_candidates(self.ws.ids[li], rows, wanted, forced, self.cfg.fetch_cap,
                                               self.budget.blocks)
             allow = self.ops.share_budget(cand, self.budget.blocks, clock, wanted.shape[-1])
+        kw = {} if self.host_slots is None else {"slots": self.host_slots[li], "dropped": self.host_dropped[li, 1]}
         return self.ops.plan_transfer(self.ws.ids[li], self.ws.last_used[li], rows, wanted, forced, clock,
                                       self.cfg.fetch_cap, seq, rtt, self.cfg.block_size, self.host.num_pages,
-                                      self.counters[li], skip_row=self.padding_row, allow=allow)
+                                      self.counters[li], skip_row=self.padding_row, allow=allow, **kw)
 
     def transfer(self, li: int, plan, pipelined: bool = False) -> None:
         """Stage (c), H2D: the working-set pieces of ``plan = (dst, src, counts)`` from the host
@@ -116,9 +123,9 @@ class PrefetchStages:
         dst, src, counts = plan
         if self.remote is not None and not (pipelined and self.defers_reads):   # read what is not here yet first
             self.remote.ensure_local(li, src.reshape(-1)[dst.reshape(-1) >= 0])
+        hk, hv = self.host.piece_views(li)            # (a compact tier: the pools; src are pool rows)
         self.ops.copy_blocks(self.ws.k[li].view(-1, bs * D), self.ws.v[li].view(-1, bs * Dv), dst.reshape(-1),
-                             self.host.k[li].view(-1, bs * D), self.host.v[li].view(-1, bs * Dv), src.reshape(-1),
-                             counts=counts)
+                             hk, hv, src.reshape(-1), counts=counts)
 
     def run_now(self, li: int, q: torch.Tensor, rows: torch.Tensor, seq: torch.Tensor, rtt: torch.Tensor,
                 nb_max: int, clock: torch.Tensor) -> None:

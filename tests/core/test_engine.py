@@ -13,10 +13,10 @@ from oasis_sglang.core.attention import decode_attention
 
 
 def _engine(budget, bs=4, layers=3, H=2, D=8, rows=4, tokens=512, dense=(0,), fetch_cap=None, dtype=torch.float32,
-            predictor="current"):
+            predictor="current", **kw):
     cfg = OasisConfig(budget_tokens=budget, block_size=bs, sink_blocks=1, recent_blocks=2,
                       dense_layers=dense, fetch_cap=fetch_cap, predictor=predictor)
-    return OasisSparseKV(cfg, layers, tokens, rows, H, D, D, dtype, "cpu")
+    return OasisSparseKV(cfg, layers, tokens, rows, H, D, D, dtype, "cpu", **kw)
 
 
 def _paged_locs(n, bs=4, pages=125):
@@ -368,3 +368,107 @@ def test_bad_steps_are_refused_before_any_state_change(seed, predictor):
         with pytest.raises(ValueError, match=msg):
             eng.decode_attention(*args, **kw)
         assert _same(_state(eng), started), (msg, kw)
+
+
+# ---- a compact host tier (host_slots): the slot table in every kernel call ---------------------------
+def _lockstep(engines, steps=10, prompts=(37, 50), rows=(1, 2), Hq=4, seed_pages=None):
+    """Prefill two requests in every sparse layer of each engine, then ``steps`` batched decode
+    steps, the same inputs for each engine; returns each engine's decode outputs and the
+    request table (pages of the requests distinct, random)."""
+    eng0 = engines[0]
+    H, D, bs = eng0.head_num, eng0.head_dim, eng0.bs
+    rt = torch.zeros(4, 256, dtype=torch.int32)
+    perm = torch.randperm(eng0.host.num_pages) if seed_pages is None else seed_pages
+    at = 0
+    for r, n in zip(rows, prompts):
+        nb = -(-(n + steps) // bs)
+        pos = torch.arange(nb * bs)
+        rt[r, :nb * bs] = (perm[at:at + nb][pos // bs] * bs + pos % bs).int()
+        at += nb
+    outs = [[] for _ in engines]
+    for layer in eng0.sparse_layers:
+        for r, n in zip(rows, prompts):
+            K, V, Q = torch.randn(n, H, D), torch.randn(n, H, D), torch.randn(n, Hq, D)
+            for e in engines:
+                e.write_kv(layer, rt[r, :n].long(), K, V)
+                e.extend_attention(layer, Q, torch.tensor([r]), torch.tensor([0]), torch.tensor([n]), rt, None)
+    seq = torch.tensor(prompts)
+    rr = torch.tensor(rows)
+    for _ in range(steps):
+        seq = seq + 1
+        loc = rt[rr, seq - 1].long()
+        for e in engines:
+            e.begin_decode_step(rr, seq, rt)
+        for layer in eng0.sparse_layers:
+            kn, vn, q = torch.randn(2, H, D), torch.randn(2, H, D), torch.randn(2, Hq, D)
+            for i, e in enumerate(engines):
+                e.write_kv(layer, loc, kn, vn, decode=True)
+                outs[i].append(e.decode_attention(layer, q, kn, vn, None))
+    return outs, rt
+
+
+@pytest.mark.parametrize("ops", ["torch", "triton"])
+def test_compact_host_tier_fully_assigned_equals_the_whole_tier(seed, ops):
+    """Every piece given a slot (shuffled): decode outputs, working sets, counters and the host
+    data read back through the table are exactly the whole tier's; nothing is dropped."""
+    if ops == "triton":
+        pytest.importorskip("triton")
+        from oasis_sglang.kernels import get_kv_ops
+        mk = lambda: get_kv_ops("triton")                                   # noqa: E731
+    else:
+        from oasis_sglang.core.ops import TorchKVOps
+        mk = TorchKVOps
+    whole = _engine(budget=16, fetch_cap=2, ops=mk())
+    L, H, P = len(whole.sparse_layers), whole.head_num, whole.host.num_pages
+    compact = _engine(budget=16, fetch_cap=2, ops=mk(), host_slots=L * H * P + 5)
+    assert compact.host.compact and compact.host_slots_d.shape == (L, H * P)
+    perm = torch.randperm(L * H * P)
+    got = compact.assign_host_pieces(perm // (H * P), perm // P % H, perm % P)
+    assert sorted(got.tolist()) == list(range(L * H * P)) and compact.host.free_slots == 5
+    assert torch.equal(compact.host_slots_d.cpu(), compact.host.slots)
+    outs, rt = _lockstep([whole, compact])
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
+    assert torch.equal(whole.ws.ids, compact.ws.ids)
+    assert all(torch.equal(a, b) for a, b in zip(whole.ws.k + whole.ws.v, compact.ws.k + compact.ws.v))
+    assert torch.equal(whole.counters, compact.counters) and int(whole.counters[:, 1].sum()) > 0
+    assert int(whole.counters[:, 3].sum()) > 0 and int(whole.counters[:, 2].sum()) > 0
+    assert not compact.host_dropped.any()
+    sl = compact.host.slots.long()
+    for li in range(L):
+        assert torch.equal(compact.host.k_pool[sl[li]].view(H, P, *compact.host.k_pool.shape[1:]), whole.host.k[li])
+        assert torch.equal(compact.host.v_pool[sl[li]].view(H, P, *compact.host.v_pool.shape[1:]), whole.host.v[li])
+        n = 37
+        a, b = whole.read_prefix(li, rt[1], n, "cpu"), compact.read_prefix(li, rt[1], n, "cpu")
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_compact_host_tier_counts_dropped_writes_and_copies(seed):
+    """Pieces without a slot: the prefill's writes to them are dropped and counted per (token,
+    KV head), the plans copy nothing from them (counted as dropped copies, not as copies), and
+    ``free_host_pages`` / ``assign_host_pieces`` keep the device table equal to the host's."""
+    eng = _engine(budget=16, fetch_cap=2, host_slots=400)
+    L, H, P, bs = len(eng.sparse_layers), eng.head_num, eng.host.num_pages, eng.bs
+    pages = torch.randperm(P)
+    # every piece of the first 40 pages (the requests' pages), except KV head 0 of pages 3..6 in layer 0
+    lay, hh, pp = torch.meshgrid(torch.arange(L), torch.arange(H), pages[:40], indexing="ij")
+    keep = ~((lay == 0) & (hh == 0) & (torch.arange(40)[None, None, :] >= 3) & (torch.arange(40)[None, None, :] < 7))
+    eng.assign_host_pieces(lay[keep], hh[keep], pp[keep])
+    assert eng.host.free_slots == 400 - int(keep.sum())
+    assert torch.equal(eng.host_slots_d.cpu(), eng.host.slots)
+    ref = _engine(budget=16, fetch_cap=2)
+    outs, rt = _lockstep([eng, ref], steps=12, seed_pages=pages)
+    # request row 1 (37 tokens) holds pages[0..9], row 2 pages[10..]: the holes are 4 whole blocks of row 1
+    assert int(eng.host_dropped[0, 0]) == 4 * bs and int(eng.host_dropped[1, 0]) == 0
+    lost_copies = int(eng.host_dropped[0, 1])
+    assert lost_copies > 0 and int(eng.host_dropped[1, 1]) == 0
+    assert int(ref.counters[0, 1] - eng.counters[0, 1]) == lost_copies
+    assert torch.equal(eng.counters[1], ref.counters[1])
+    # freeing pages frees their slots everywhere, both copies of the table
+    n = eng.free_host_pages(pages[:2])
+    assert n == 2 * L * H and eng.host.free_slots == 400 - int(keep.sum()) + n
+    assert torch.equal(eng.host_slots_d.cpu(), eng.host.slots)
+    assert (eng.host.slots[:, torch.arange(H)[:, None] * P + pages[:2][None, :]] == -1).all()
+    with pytest.raises(RuntimeError, match="whole"):
+        ref.assign_host_pieces([0], [0], [0])
+    with pytest.raises(ValueError, match="heads must be in"):
+        eng.assign_host_pieces([0], [H], [0])
