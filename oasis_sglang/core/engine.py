@@ -639,9 +639,8 @@ class OasisSparseKV:
             ``(k [n, H, D], v [n, H, Dv])`` in the host tier's dtype.
         """
         if self.host.compact:
-            slots = self.host_slots_d[layer_id_index]
             return self.host.read_prefix(layer_id_index, req_to_token_row, n, device, self.ops.copy_blocks,
-                                         slots=slots if slots.device == torch.device(device) else None)
+                                         slots=self.host_slots_d[layer_id_index].to(device))
         return self.host.read_prefix(layer_id_index, req_to_token_row, n, device, self.ops.copy_blocks)
 
     # ---- a compact host tier's slots -----------------------------------------------------

@@ -22,10 +22,11 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 def _engine(budget, predictor, fetch_cap=None, rows=4, device="cpu", measure=False, layers=3, padding_row=None,
-            ops=None, pd_read_mode="deferred"):
+            ops=None, pd_read_mode="deferred", host_slots=None):
     cfg = OasisConfig(budget_tokens=budget, block_size=BS, sink_blocks=1, recent_blocks=2, dense_layers=(0,),
                       fetch_cap=fetch_cap, predictor=predictor, measure_agreement=measure, pd_read_mode=pd_read_mode)
-    return OasisSparseKV(cfg, layers, 1024, rows, H, D, D, torch.float32, device, ops=ops, padding_row=padding_row)
+    return OasisSparseKV(cfg, layers, 1024, rows, H, D, D, torch.float32, device, ops=ops, padding_row=padding_row,
+                         host_slots=host_slots)
 
 
 class Run:
