@@ -270,15 +270,28 @@ class NixlTier:
             between polls, ``progress_delay_us``); ``None``: when CUDA is not available.
         sparse_layers, num_layers: the model layer of each buffer pair and the model's layer
             count, told to peers in the layout (``TierLayout.compatible`` compares them).
+        compact: ``None`` (default): ``k`` / ``v`` are the whole tier's per-layer buffers. A
+            tuple ``(L, H, P)``: a decode node's *compact* tier (``HostTier(num_slots=S)``):
+            ``k = [k_pool]`` / ``v = [v_pool]``, the pools ``[S, bs, D]`` / ``[S, bs, Dv]``
+            (one NIXL region each), for ``L`` sparse layers, ``H`` KV heads and ``P`` pages of
+            the tier they stand for. READs then land in pool rows (``RemoteBlockFetcher.post``'s
+            ``dst_pages`` are pool rows ``0 .. S - 1``); ``layout`` tells ``L`` layers of ``P``
+            pages (every layer's pointer is the pool's: nobody reads from a compact tier).
     Raises:
-        ValueError: buffers not on the CPU, not contiguous, or of different shapes.
+        ValueError: buffers not on the CPU, not contiguous, or of different shapes; a bad
+            ``compact`` (not three positive integers, or pools that are not one ``[S, bs, D]``
+            K and one ``[S, bs, Dv]`` V).
     """
 
     def __init__(self, k: list[torch.Tensor], v: list[torch.Tensor], name: str, backends=("UCX",),
                  cpu_engine: bool | None = None, sparse_layers: tuple[int, ...] = (), num_layers: int = 0,
-                 tp: tuple[int, int] = (0, 0)):
+                 tp: tuple[int, int] = (0, 0), compact: tuple[int, int, int] | None = None):
         if len(k) != len(v) or not k:
             raise ValueError(f"NixlTier: {len(k)} K and {len(v)} V buffers: want one of each per sparse layer")
+        self.compact = compact is not None
+        if compact is not None:
+            self._init_compact(k, v, name, backends, cpu_engine, sparse_layers, num_layers, tp, compact)
+            return
         for t in k + v:
             if t.device.type != "cpu" or not t.is_contiguous() or t.dim() != 4:
                 raise ValueError(f"NixlTier: buffer {tuple(t.shape)} on {t.device}: want contiguous CPU [H, P, bs, D]")
@@ -293,16 +306,58 @@ class NixlTier:
         es = k[0].element_size()
         self.head_num, self.num_pages, self.block_size = H, P, bs
         self.k_piece, self.v_piece = bs * D * es, bs * v[0].shape[3] * es
+        self.num_slots = None
         self.agent = _agent(name, backends, cpu_engine)
         self._reg = self.agent.register_memory(k + v, "DRAM")
+
+    def _init_compact(self, k, v, name, backends, cpu_engine, sparse_layers, num_layers, tp, compact) -> None:
+        """``__init__`` of a compact tier (``compact=(L, H, P)``, the pools ``k[0]`` / ``v[0]``)."""
+        try:
+            L, H, P = (int(x) for x in compact)
+            ok = len(tuple(compact)) == 3 and not any(isinstance(x, bool) for x in compact) and min(L, H, P) >= 1
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise ValueError(f"NixlTier: compact {compact!r}: want (sparse layers, KV heads, pages), positive integers")
+        if len(k) != 1:
+            raise ValueError(f"NixlTier: a compact tier takes one K pool and one V pool, got {len(k)} of each")
+        kp, vp = k[0], v[0]
+        for t in (kp, vp):
+            if t.device.type != "cpu" or not t.is_contiguous() or t.dim() != 3:
+                raise ValueError(f"NixlTier: pool {tuple(t.shape)} on {t.device}: want contiguous CPU [S, bs, D]")
+        if kp.shape[:2] != vp.shape[:2] or kp.dtype != vp.dtype:
+            raise ValueError(f"NixlTier: K pool {tuple(kp.shape)} {kp.dtype} and V pool {tuple(vp.shape)} {vp.dtype} "
+                             f"differ in slots, block size or dtype")
+        if sparse_layers and len(sparse_layers) != L:
+            raise ValueError(f"NixlTier: {len(sparse_layers)} sparse_layers for {L} sparse layers")
+        self.k, self.v, self.name = [kp], [vp], name
+        self.sparse_layers, self.num_layers = tuple(int(x) for x in sparse_layers), int(num_layers)
+        self.tp = (int(tp[0]), int(tp[1]))
+        S, bs, D = kp.shape
+        es = kp.element_size()
+        self.num_sparse = L
+        self.head_num, self.num_pages, self.block_size, self.num_slots = H, P, bs, S
+        self.k_piece, self.v_piece = bs * D * es, bs * vp.shape[2] * es
+        self.agent = _agent(name, backends, cpu_engine)
+        self._reg = self.agent.register_memory([kp, vp], "DRAM")
+
+    @classmethod
+    def of_host(cls, host, name: str, **kw) -> "NixlTier":
+        """Register a ``core.host_tier.HostTier``: its per-layer buffers (the whole tier), or
+        its two pools (a compact tier, ``compact=(L, H, P)``). ``kw``: the other arguments."""
+        if getattr(host, "compact", False):
+            return cls([host.k_pool], [host.v_pool], name,
+                       compact=(host.num_layers, host.head_num, host.num_pages), **kw)
+        return cls(host.k, host.v, name, **kw)
 
     def layout(self, lease_s: float = 0.0) -> TierLayout:
         """What a peer needs to read this tier (:class:`TierLayout`); ``lease_s``: how long a
         prefill node holds a request's pages without a renewal (its ``pd_lease_s``)."""
         if self.agent is None:
             raise RuntimeError(f"NixlTier {self.name!r}: closed (it has no NIXL agent)")
-        return TierLayout(self.name, self.agent.get_agent_metadata(), tuple(t.data_ptr() for t in self.k),
-                          tuple(t.data_ptr() for t in self.v), self.num_pages, self.head_num, self.block_size,
+        n = self.num_sparse if self.compact else 1        # a compact tier: its pool for every layer
+        return TierLayout(self.name, self.agent.get_agent_metadata(), tuple(t.data_ptr() for t in self.k) * n,
+                          tuple(t.data_ptr() for t in self.v) * n, self.num_pages, self.head_num, self.block_size,
                           self.k_piece, self.v_piece, float(lease_s), self.num_layers, self.sparse_layers,
                           str(self.k[0].dtype), *self.tp)
 
@@ -329,7 +384,8 @@ def piece_descs(k_ptr, v_ptr, heads: np.ndarray, pages: np.ndarray, num_pages: i
                 k_piece: int, v_piece: int) -> np.ndarray:
     """NIXL descriptors ``[2N, 3]`` (address, bytes, device id 0) of the K then V pieces
     ``(heads[i], pages[i])`` of a ``[H, P, bs, D]`` tier layer whose K / V start at ``k_ptr`` /
-    ``v_ptr`` (ints: one layer; ``[N]`` uint64 arrays: piece ``i``'s layer's)."""
+    ``v_ptr`` (ints: one layer; ``[N]`` uint64 arrays: piece ``i``'s layer's). A compact pool:
+    ``heads`` zeros, ``pages`` the pool rows and ``num_pages`` 0 (address = base + row * piece)."""
     off = heads.astype(np.uint64) * np.uint64(num_pages) + pages.astype(np.uint64)
     n = len(off)
     d = np.zeros((2 * n, 3), dtype=np.uint64)
@@ -508,7 +564,9 @@ class RemoteBlockFetcher:
 
     def fetch(self, peer: str, layer: int, heads, src_pages, dst_pages, timeout_s: float | None = None) -> int:
         """READ pieces ``(layer, heads[i], src_pages[i])`` of ``peer`` into ``(layer, heads[i],
-        dst_pages[i])`` here, and wait (``post``, then ``poll`` until done).
+        dst_pages[i])`` here, and wait (``post``, then ``poll`` until done). A compact local tier
+        (``NixlTier(compact=...)``): ``dst_pages[i]`` is the pool row piece ``i`` lands in (the
+        caller took it, ``HostTier.assign``); the peer's side is its whole tier as always.
 
         Args:
             peer: an agent name from ``add_peer``. layer: sparse-layer index.
@@ -559,19 +617,27 @@ class RemoteBlockFetcher:
         if not 0 <= lo <= hi < len(lay.k_ptrs):
             raise ValueError(f"fetch: layer {layer if not per_piece else f'{lo}..{hi}'} not in "
                              f"0..{len(lay.k_ptrs) - 1}")
-        if heads.min() < 0 or heads.max() >= lay.head_num or src.min() < 0 or src.max() >= lay.num_pages \
-                or dst.min() < 0 or dst.max() >= self.local.num_pages:
-            raise ValueError(f"fetch: heads / pages out of range (heads < {lay.head_num}, src pages < "
-                             f"{lay.num_pages}, dst pages < {self.local.num_pages})")
         loc = self.local
+        dst_hi = loc.num_slots if loc.compact else loc.num_pages
+        if heads.min() < 0 or heads.max() >= lay.head_num or src.min() < 0 or src.max() >= lay.num_pages \
+                or dst.min() < 0 or dst.max() >= dst_hi:
+            raise ValueError(f"fetch: heads / pages out of range (heads < {lay.head_num}, src pages < "
+                             f"{lay.num_pages}, dst {'pool rows' if loc.compact else 'pages'} < {dst_hi})")
         if per_piece:
             rk, rv = (np.asarray(x, dtype=np.uint64)[layers] for x in (lay.k_ptrs, lay.v_ptrs))
-            lk, lv = (np.asarray([t.data_ptr() for t in x], dtype=np.uint64)[layers] for x in (loc.k, loc.v))
         else:
             rk, rv = lay.k_ptrs[layer], lay.v_ptrs[layer]
+        if loc.compact:                 # pool rows: base + row * piece bytes, whatever the layer
+            lk, lv = loc.k[0].data_ptr(), loc.v[0].data_ptr()
+        elif per_piece:
+            lk, lv = (np.asarray([t.data_ptr() for t in x], dtype=np.uint64)[layers] for x in (loc.k, loc.v))
+        else:
             lk, lv = loc.k[layer].data_ptr(), loc.v[layer].data_ptr()
         remote = piece_descs(rk, rv, heads, src, lay.num_pages, lay.k_piece_bytes, lay.v_piece_bytes)
-        local = piece_descs(lk, lv, heads, dst, loc.num_pages, loc.k_piece, loc.v_piece)
+        if loc.compact:
+            local = piece_descs(lk, lv, np.zeros_like(dst), dst, 0, loc.k_piece, loc.v_piece)
+        else:
+            local = piece_descs(lk, lv, heads, dst, loc.num_pages, loc.k_piece, loc.v_piece)
         t_end = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
         p = PendingRead(peer, t_end, len(heads), len(heads) * (lay.k_piece_bytes + lay.v_piece_bytes),
                         local=local, remote=remote)

@@ -452,3 +452,55 @@ def test_the_progress_delay_is_only_raised():
     before = transport._progress_delay["us"]
     assert transport.set_progress_delay(0) and transport._progress_delay["us"] == before
     assert transport.set_progress_delay(before + 1) and transport._progress_delay["us"] == before + 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_compact_decode_tier_reads_into_the_pool_rows_it_is_given(seed, dtype):
+    """A compact decode tier (``HostTier(num_slots=S)``, its two pools registered): ``fetch``
+    and a per-piece-layer ``post`` land each piece ``(layer, h, src page)`` of the peer's whole
+    tier in the pool row asked for, byte for byte; the other rows stay zero; a row past the
+    pool is refused by name; the peer's side is unchanged (``h * P + page`` of its tier)."""
+    src, ns = tier(f"pf-c-{dtype}-{seed}", dtype)
+    S = 17
+    dst = HostTier(L, P, BS, H, D, D, dtype, num_slots=S)
+    nd = NixlTier.of_host(dst, f"dc-c-{dtype}-{seed}")
+    f = RemoteBlockFetcher(nd, timeout_s=5)
+    try:
+        assert nd.compact and nd.num_slots == S and nd.num_pages == P
+        lay = nd.layout()
+        assert len(lay.k_ptrs) == L and lay.num_pages == P
+        peer = f.add_peer(TierLayout.from_bytes(ns.layout().to_bytes()))
+        rows = torch.randperm(S)
+        n1 = 6
+        heads, srcp = torch.randint(0, H, (n1,)), torch.randint(0, P, (n1,))
+        got = f.fetch(peer, 1, heads, srcp, rows[:n1])
+        assert got == n1 * 2 * BS * D * src.k[0].element_size()
+        n2 = 9
+        layers, h2, s2 = torch.randint(0, L, (n2,)), torch.randint(0, H, (n2,)), torch.randint(0, P, (n2,))
+        _until(f, f.post(peer, layers, h2, s2, rows[n1:n1 + n2]))
+        want_k = torch.zeros_like(dst.k_pool).view(torch.uint8)
+        want_v = torch.zeros_like(dst.v_pool).view(torch.uint8)
+        for i in range(n1):
+            want_k[rows[i]] = src.k[1].view(torch.uint8)[heads[i], srcp[i]]
+            want_v[rows[i]] = src.v[1].view(torch.uint8)[heads[i], srcp[i]]
+        for i in range(n2):
+            want_k[rows[n1 + i]] = src.k[int(layers[i])].view(torch.uint8)[h2[i], s2[i]]
+            want_v[rows[n1 + i]] = src.v[int(layers[i])].view(torch.uint8)[h2[i], s2[i]]
+        assert torch.equal(dst.k_pool.view(torch.uint8), want_k)
+        assert torch.equal(dst.v_pool.view(torch.uint8), want_v)
+        with pytest.raises(ValueError, match="pool rows < 17"):
+            f.fetch(peer, 0, [0], [0], [S])
+    finally:
+        f.close()
+        nd.close()
+        ns.close()
+
+
+def test_a_bad_compact_registration_is_refused(seed):
+    t = HostTier(L, P, BS, H, D, D, torch.float32, num_slots=4)
+    with pytest.raises(ValueError, match="compact"):
+        NixlTier([t.k_pool], [t.v_pool], f"bad-{seed}", compact=(L, 0, P))
+    with pytest.raises(ValueError, match="one K pool"):
+        NixlTier([t.k_pool, t.k_pool], [t.v_pool, t.v_pool], f"bad-{seed}", compact=(L, H, P))
+    with pytest.raises(ValueError, match="want contiguous CPU"):
+        NixlTier([t.k_pool[:, 0]], [t.v_pool[:, 0]], f"bad-{seed}", compact=(L, H, P))
