@@ -458,9 +458,10 @@ class DecodeSide:
         self.engine, self.pool = engine, pool
         self.free_pages = free_pages
         self.tp_rank = int(tp_rank)
-        self.tier = NixlTier(engine.host.k, engine.host.v, agent_name("decode", tp_rank),
-                             cpu_engine=engine.device.type == "cpu", sparse_layers=tuple(engine.sparse_layers),
-                             num_layers=engine.num_layers, tp=(tp_rank, tp_size))
+        # a compact host tier (OasisSparseKV(host_slots=...), ``pd_host_slots``): its two pools
+        self.tier = NixlTier.of_host(engine.host, agent_name("decode", tp_rank),
+                                     cpu_engine=engine.device.type == "cpu", sparse_layers=tuple(engine.sparse_layers),
+                                     num_layers=engine.num_layers, tp=(tp_rank, tp_size))
         self.fetcher = RemoteBlockFetcher(self.tier, timeout_s=read_timeout_s)
         self.remote = RemoteBlocks(len(engine.sparse_layers), engine.head_num, engine.host.num_pages,
                                    fetch=self.fetcher.fetch, device=engine.device,
@@ -910,7 +911,8 @@ class DecodeSide:
 
         Args:
             pages: ``[N]`` int64 every host page the request held (prompt and decoded blocks);
-                their memory goes back to the OS (``HostTier.discard``, on-demand tiers) and the
+                their memory goes back to the OS (``HostTier.discard``, on-demand tiers; a compact
+                tier: their slots, ``OasisSparseKV.free_host_pages``, after the reads into them) and the
                 request's host-tier bytes are logged against a whole allocation. Default: its
                 prompt pages.
             tokens: tokens the request held (its last block is partial when not a multiple of
@@ -929,11 +931,17 @@ class DecodeSide:
             if others:           # never give back a block another admitted request holds
                 pages = pages[~torch.isin(pages, torch.cat(others))]
             held = self.held_bytes(row, pages, tokens)
-            gone = self._with_free_neighbours(pages)
-            self.remote.wait_reads_into(gone)          # no read may land in memory given back
-            # only the runs of pieces that may hold data (read, installed or decoded here, or on a
-            # dirty page: ``RemoteBlocks.written``) cost a madvise; the rest was given back before
-            self.engine.host.discard(gone, written=self.remote.written(gone))
+            if self.engine.host.compact:
+                # a compact tier: the pages' slots go back once no read lands in them (no madvise)
+                gone = pages
+                self.remote.wait_reads_into(gone)
+                self.engine.free_host_pages(gone)
+            else:
+                gone = self._with_free_neighbours(pages)
+                self.remote.wait_reads_into(gone)          # no read may land in memory given back
+                # only the runs of pieces that may hold data (read, installed or decoded here, or on a
+                # dirty page: ``RemoteBlocks.written``) cost a madvise; the rest was given back before
+                self.engine.host.discard(gone, written=self.remote.written(gone))
             if adm is not None and int(row) not in self._cut:   # (a cut-off row counts every piece as here)
                 whole = pages.numel() * self.remote.L * self.remote.H * self.engine.block_bytes
                 self.released_requests += 1
@@ -959,7 +967,13 @@ class DecodeSide:
             self.stale.pop(int(row), None)
             self._cut.discard(int(row))
         if adm is not None:
-            self.remote.release(adm.pages)      # (its pages' numbers in pd_page_ids were cleared at admission)
+            mine = adm.pages
+            if self.engine.host.compact:        # (a compact tier frees their slots: not those another request holds)
+                with self._rows_lock:
+                    others = [a.pages for a in self.rows.values()]
+                if others:
+                    mine = mine[~torch.isin(mine, torch.cat(others))]
+            self.remote.release(mine)           # (its pages' numbers in pd_page_ids were cleared at admission)
         if gone is not None:
             self.remote.given_back(gone)        # (after ``release``, which marks its pages dirty)
         if adm is None:
@@ -979,7 +993,7 @@ class DecodeSide:
         when it was released, or a read that landed after its request ended), then return the
         tier's resident bytes. Logs what it gave back (none is expected: it is a backstop)."""
         host = self.engine.host
-        if not host.on_demand:
+        if not host.on_demand or host.compact:      # (a compact tier frees slots with their requests)
             return host.resident_bytes()
         stray = host.resident_pages()
         if stray.numel() and self.free_pages is not None:

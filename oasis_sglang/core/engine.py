@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import time
 from collections.abc import Sequence
 
 import torch
@@ -40,7 +41,7 @@ from .bench_hooks import BenchHooks
 from .budget import TransferBudget
 from .checks import as_int, check_batch, check_rows, check_table, host_lists
 from .devcopy import to_device
-from .host_tier import HostTier
+from .host_tier import HostTier, HostTierFull
 from .kv_dtype import as_stored, summary_dtype
 from .ops import BaseKVOps, TorchKVOps
 from .prediction import PredictionRecord
@@ -153,6 +154,11 @@ class OasisSparseKV:
         # layer's ``decode_attention`` (one launch with the append); see ``write_kv``
         self._folds: list = [None] * L
         self._no_tensor = torch.empty(0, dtype=torch.int64)   # the device fields of a replay step (none)
+        # a compact host tier: row -> the block of its last step's new token whose page has its
+        # slots (``assign_write_pages``); pieces not written back for want of a free slot
+        self._write_block: dict[int, int] = {}
+        self.host_write_misses = 0
+        self._write_warned_at = float("-inf")
 
     @staticmethod
     def memory_plan(cfg: OasisConfig, num_layers: int, num_tokens: int, num_rows: int, head_num: int,
@@ -326,14 +332,16 @@ class OasisSparseKV:
         the transfer stage reads the plan on the host (decode steps run eagerly).
 
         Raises:
+        A compact host tier (``host_slots``): ``remote`` reads into pool rows it assigns first
+        (``RemoteBlocks.use_slots`` with ``assign_host_pieces`` / ``free_host_pages``); a step
+        that reads inside its layers plans whole-tier pieces, reads them, then copies from their
+        pool rows (``PrefetchStages.transfer``); each decode step first gives the page its
+        requests write into a slot per (sparse layer, KV head) (``assign_write_pages``).
+
+        Raises:
             ValueError: ``remote`` sized for another host tier (layers, KV heads or pages), or
                 keeping its device state on another device than this engine's.
-            NotImplementedError: a compact host tier (``host_slots``; its plans list pool rows,
-                which ``RemoteBlocks`` does not read yet).
         """
-        if remote is not None and self.host.compact:
-            raise NotImplementedError("attach_remote: a compact host tier (host_slots) is not wired to RemoteBlocks "
-                                      "yet (its plans list pool rows, not pieces h * P + page)")
         if remote is not None and (remote.L, remote.H, remote.P) != (
                 len(self.sparse_layers), self.head_num, self.host.num_pages):
             raise ValueError(f"attach_remote: RemoteBlocks for {(remote.L, remote.H, remote.P)} (layers, KV heads, "
@@ -342,6 +350,9 @@ class OasisSparseKV:
                 remote.device.index is not None and self.device.index is not None
                 and remote.device.index != self.device.index)):
             raise ValueError(f"attach_remote: RemoteBlocks on {remote.device}; this engine runs on {self.device}")
+        if remote is not None and self.host.compact:
+            host = self.host
+            remote.use_slots(host.slots, self.assign_host_pieces, self.free_host_pages, lambda: host.free_slots)
         self.stages.remote = remote
 
     def _service_remote(self) -> None:
@@ -687,6 +698,7 @@ class OasisSparseKV:
         if self.host_slots_d is None:
             raise RuntimeError("free_host_pages: this engine's host tier is whole (no host_slots)")
         n = self.host.unassign(pages)
+        self._write_block.clear()             # (assign_write_pages checks its rows again)
         if n:
             self._after_forward()
             self.pipe.drain()
@@ -694,6 +706,61 @@ class OasisSparseKV:
             cols = (torch.arange(self.head_num, dtype=torch.int64)[:, None] * self.host.num_pages + pp[None, :])
             self.host_slots_d.index_fill_(1, to_device(cols.reshape(-1), self.device), -1)
         return n
+
+    WRITE_WARN_S = 10.0     # the most often a full pool refusing a write-back page is warned about
+
+    def assign_write_pages(self, rows: Sequence[int], seq_lens: Sequence[int], req_to_token: torch.Tensor) -> int:
+        """A compact host tier: give the page each request's next token lands in (position
+        ``seq_lens[i] - 1`` of row ``rows[i]``) a slot per (sparse layer, KV head), so
+        ``append_tokens`` can write the block back once complete. A row whose page got them
+        for the same block already is skipped (no device read); the others' pages are read from
+        ``req_to_token`` (one small gather; on CUDA it waits for the table's writes). When the
+        pool is full the pages that do not fit get none: their write-back is dropped and
+        counted (``host_dropped[:, 0]``), here in ``host_write_misses`` (pieces) with a warning
+        at most every ``WRITE_WARN_S`` seconds. Nothing on the whole tier.
+
+        Args:
+            rows, seq_lens: host integers, one per request (``seq_lens`` with the new token).
+            req_to_token: SGLang's ``[R, W]`` table.
+        Returns: slots newly assigned."""
+        if self.host_slots_d is None or not len(rows):
+            return 0
+        bs = self.bs
+        todo = [(int(r), int(s) - 1) for r, s in zip(rows, seq_lens)
+                if int(s) >= 1 and self._write_block.get(int(r)) != (int(s) - 1) // bs]
+        if not todo:
+            return 0
+        r_t = torch.tensor([r for r, _ in todo], dtype=torch.int64)
+        pos = torch.tensor([p for _, p in todo], dtype=torch.int64)
+        loc = req_to_token[r_t.to(req_to_token.device), pos.to(req_to_token.device)].to("cpu", torch.int64)
+        pages = torch.unique(torch.div(loc, bs, rounding_mode="floor"))
+        L, H, P = self.host.num_layers, self.head_num, self.host.num_pages
+        cols = (torch.arange(H)[:, None] * P + pages[None, :]).reshape(-1)             # [H * n]
+        need = (self.host.slots[:, cols] < 0).view(L, H, -1).any(0).any(0)             # [n] pages lacking one
+        got = 0
+        miss = 0
+        for pg in pages[need].tolist():            # page by page: one that fits gets all its pieces
+            li = torch.arange(L)[:, None].expand(L, H).reshape(-1)
+            hh = torch.arange(H)[None, :].expand(L, H).reshape(-1)
+            before = self.host.free_slots
+            try:
+                self.assign_host_pieces(li, hh, torch.full_like(li, pg))
+            except HostTierFull:
+                miss += int((self.host.slots[li, hh * P + pg] < 0).sum())
+                continue
+            got += before - self.host.free_slots
+        if miss:
+            self.host_write_misses += miss
+            now = time.monotonic()
+            if now - self._write_warned_at >= self.WRITE_WARN_S:
+                self._write_warned_at = now
+                logger.warning("OasisKV: the compact host tier is full: %d pieces of pages decoded into have no slot "
+                               "(their blocks are not written back; %d in all so far); raise pd_host_slots",
+                               miss, self.host_write_misses)
+        for (r, p), lc in zip(todo, loc.tolist()):
+            if bool((self.host.slots[:, torch.arange(H) * P + lc // bs] >= 0).all()):
+                self._write_block[r] = p // bs
+        return got
 
     # ---- decode ---------------------------------------------------------------------------
     def begin_decode_step(self, rows: torch.Tensor, seq_lens: torch.Tensor, req_to_token: torch.Tensor, *,
@@ -758,7 +825,7 @@ class OasisSparseKV:
                              "dense_short_contexts off, measure_agreement, a PD decode node or benchmark hooks)")
         width = None if req_to_token is None else check_table(req_to_token, what)
         if mode is StepMode.REPLAY:
-            return self._begin_replay(rows_host, seq_lens_host, width)
+            return self._begin_replay(rows_host, seq_lens_host, width, req_to_token)
         B = check_batch(rows, seq_lens, what)
         if width is None:
             raise ValueError(f"{what}: req_to_token is required for an {mode.value} step")
@@ -809,6 +876,11 @@ class OasisSparseKV:
         if mode is StepMode.CAPTURE or B == 0:
             return step
         self._note_forward_stream()
+        if self.host_slots_d is not None:        # a compact tier: the pages this step writes into get slots
+            if host is not None:
+                self.assign_write_pages(host[0], host[1], rtt)
+            else:
+                self.assign_write_pages(rows_d.tolist(), seq.tolist(), rtt)
         self._service_remote()
         self._host_steps += 1
         step.timed = self.last_step_timed = self.device.type == "cuda"    # the stage streams exist on CUDA only
@@ -896,7 +968,7 @@ class OasisSparseKV:
         self.ops.dense_plan(self.ws.ids, self.ws.last_used, st.rows, st.seq, self.bs, self.predictor.asynchronous,
                             st.clock_next, self.counters, self.padding_row)
 
-    def _begin_replay(self, rows_host, seq_lens_host, width: int | None) -> DecodeStep:
+    def _begin_replay(self, rows_host, seq_lens_host, width: int | None, req_to_token=None) -> DecodeStep:
         """``begin_decode_step(mode="replay")``: the host side of what the captured layers did
         when captured (step counters, the host record of predictions, the batch for reporting);
         the replay also waits for prefetches queued by eager work (a prefill predicts a
@@ -907,6 +979,8 @@ class OasisSparseKV:
         rows_l, seq_l = host_lists(rows_host, seq_lens_host, "begin_decode_step (replay)", self.ws.R, width)
         self._note_forward_stream()               # the replay runs on the caller's stream
         self.pipe.join()
+        if self.host_slots_d is not None and req_to_token is not None:
+            self.assign_write_pages(rows_l, seq_l, req_to_token)
         self._service_remote()
         self.pipe.forget_waits()                  # exposed waits are timed on eager steps only
         self.last_step_timed = False
@@ -1095,6 +1169,8 @@ class OasisSparseKV:
         self.pipe.drain()
         self.ws.reset_rows(rows)
         self.record.forget(rows)
+        for r in (rows.tolist() if isinstance(rows, torch.Tensor) else rows):
+            self._write_block.pop(int(r), None)
 
     def _note_forward_stream(self) -> None:
         """Remember the stream the current forward runs on (CUDA; a capture's stream is not the

@@ -30,6 +30,15 @@ from then on (the working set keeps what it had), and the requests on its pages 
 ``failed_pages`` so the serving glue ends them with an error while the batch's other requests
 go on.
 
+A compact host tier (``HostTier(num_slots=S)``, ``OasisSparseKV(host_slots=S)``; the engine's
+``attach_remote`` calls ``use_slots``): before a read of pieces into this node (``read_now``,
+``ensure_local``, ``service``'s reads) each piece takes a pool row (``assign``), and the read lands
+there (the fetcher's destinations are pool rows). When the pool is full, the pieces that do not
+fit are not read this time: they stay missing, exactly as a piece not arrived yet (the working
+set keeps what it had; a later plan may ask again), counted in ``slot_misses`` with a warning at
+most every ``WARN_S`` seconds. ``release`` gives the pages' slots back (``unassign``) once the
+reads into them ended.
+
 Torch only (the reads are done by a callable; ``disagg.transport.RemoteBlockFetcher.fetch`` in
 serving).
 """
@@ -43,6 +52,7 @@ from typing import Callable
 import torch
 
 from .devcopy import to_device
+from .host_tier import HostTierFull
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +132,69 @@ class RemoteBlocks:
         self.first_step_pieces = 0      # pieces read by ``read_now`` (first steps planned on the prefill node)
         self.first_step_bytes = 0
         self.first_step_reads = 0       # and the reads that carried them (one per peer and call)
+        # a compact host tier (``use_slots``): its table, how pieces get a slot and give pages' slots back
+        self.slot_table: torch.Tensor | None = None
+        self._assign: Callable | None = None
+        self._free_pages: Callable | None = None
+        self._free_slots: Callable | None = None
+        self.slot_misses = 0            # pieces not read for want of a free slot (compact tier)
+        self._warned_at = float("-inf")
+
+    WARN_S = 10.0       # the most often a full compact pool is warned about (seconds)
+
+    def use_slots(self, table: torch.Tensor, assign: Callable, free_pages: Callable, free_slots: Callable) -> None:
+        """Read into a compact host tier's pool rows (the engine's ``attach_remote`` calls this).
+
+        Args:
+            table: ``[L, H * P]`` int32 CPU, the tier's slot table (``HostTier.slots``; read, never
+                written here: ``assign`` and ``free_pages`` change it).
+            assign: ``(layers, heads, pages) -> [N] int64 rows`` (``OasisSparseKV.assign_host_pieces``;
+                raises ``HostTierFull``, changing nothing, when the pool lacks slots).
+            free_pages: ``(pages [M]) -> int`` gives every slot of those pages back
+                (``OasisSparseKV.free_host_pages``).
+            free_slots: ``() -> int`` the pool's free slots now (``HostTier.free_slots``).
+        Raises:
+            ValueError: ``table`` not ``[L, H * P]`` int32."""
+        if table.dtype != torch.int32 or tuple(table.shape) != (self.L, self.H * self.P):
+            raise ValueError(f"RemoteBlocks.use_slots: table {table.dtype} {tuple(table.shape)}: want int32 "
+                             f"[{self.L}, {self.H * self.P}]")
+        self.slot_table, self._assign, self._free_pages, self._free_slots = table, assign, free_pages, free_slots
+
+    def _take_slots(self, l: torch.Tensor, h: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        """A compact tier: give pieces ``(l[i], h[i], p[i])`` (``[M]`` int64 CPU) pool rows, as
+        many as fit (in the order given; a piece keeps a slot it has). Returns ``[M]`` bool the
+        pieces that have one (all True on the whole tier); the others are counted in
+        ``slot_misses`` (once per piece) and warned about (rate-limited)."""
+        if self.slot_table is None or not l.numel():
+            return torch.ones(l.shape, dtype=torch.bool)
+        col = h * self.P + p
+        need = self.slot_table[l, col] < 0
+        if bool(need.any()):
+            ln, hn, pn = l[need], h[need], p[need]
+            try:
+                self._assign(ln, hn, pn)
+            except HostTierFull:
+                key = (ln * self.H + hn) * self.P + pn
+                uk, first = _first_of_each(key)
+                k = int(self._free_slots())
+                if k:
+                    take = first[:k]
+                    self._assign(ln[take], hn[take], pn[take])
+                miss = int(uk.numel()) - k
+                self.slot_misses += miss
+                now = time.monotonic()
+                if now - self._warned_at >= self.WARN_S:
+                    self._warned_at = now
+                    logger.warning("OasisKV PD: the compact host tier is full: %d pieces not read this time (they stay "
+                                   "missing: the working set keeps what it had; %d in all so far); raise pd_host_slots",
+                                   miss, self.slot_misses)
+        return self.slot_table[l, col] >= 0
+
+    def _dst(self, l: torch.Tensor, h: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        """Where pieces ``(l, h, p)`` land here: their pages (the whole tier) or their pool rows."""
+        if self.slot_table is None:
+            return p
+        return self.slot_table[l, h * self.P + p].to(torch.int64)
 
     def _peer_index(self, name: str) -> int:
         if name not in self.peer_names:
@@ -182,9 +255,12 @@ class RemoteBlocks:
     def release(self, pages: torch.Tensor) -> None:
         """Pages freed (the request ended): they are this node's own again. Waits first for
         the reads still writing into them (``wait_reads_into``, failed ones the transport still
-        works on included): a page handed to another request must not receive a late read."""
+        works on included): a page handed to another request must not receive a late read. A
+        compact tier (``use_slots``): then every slot of the pages goes back (``free_pages``)."""
         pages = torch.as_tensor(pages, dtype=torch.int64).cpu().reshape(-1)
         self.wait_reads_into(pages)
+        if self._free_pages is not None:
+            self._free_pages(pages)              # a compact tier: the slots go back (no data kept)
         self.present[:, :, pages] = True
         self.dirty[pages] = True                 # until ``given_back``: a next owner's ``present`` won't show it
         self.peer[pages] = -1
@@ -230,6 +306,13 @@ class RemoteBlocks:
         self.present[:, :, pages] = True
         self._mirror(pages)
 
+    def lost_mask(self, p: torch.Tensor) -> torch.Tensor:
+        """``[M]`` bool: pages ``p`` (int64, admitted from a peer) whose peer is not lost."""
+        lost = [i for i, n in enumerate(self.peer_names) if n in self.lost]
+        if not lost:
+            return torch.ones(p.shape, dtype=torch.bool)
+        return ~torch.isin(self.peer[p], torch.tensor(lost, dtype=torch.int32))
+
     def missing(self, layer: int) -> int:
         """Pieces of sparse layer ``layer`` not here yet (all requests)."""
         return int((~self.present[layer]).sum())
@@ -249,17 +332,21 @@ class RemoteBlocks:
         if not bool(miss.any()):
             return 0
         h, p = h[miss], p[miss]
+        if bool((self.peer[p] < 0).any()):      # not admitted from a peer: cannot be missing
+            raise RuntimeError(f"RemoteBlocks: layer {layer}: pieces of local pages marked missing")
+        lt = torch.full_like(h, layer)
+        live = self.lost_mask(p)
+        h, p = h[live], p[live]
+        fit = self._take_slots(lt[:h.numel()], h, p)
+        h, p = h[fit], p[fit]
+        dst = self._dst(lt[:h.numel()], h, p)
         owner = self.peer[p]
         n = 0
         for pi in torch.unique(owner).tolist():
             sel = owner == pi
-            if pi < 0:                      # not admitted from a peer: cannot be missing
-                raise RuntimeError(f"RemoteBlocks: layer {layer}: pieces of local pages marked missing")
             name = self.peer_names[pi]
-            if name in self.lost:
-                continue
             try:
-                n += int(self.fetch(name, layer, h[sel], self.src_page[p[sel]], p[sel]))
+                n += int(self.fetch(name, layer, h[sel], self.src_page[p[sel]], dst[sel]))
             except Exception as e:  # noqa: BLE001 - any failure of a peer ends its requests, not the step
                 self.lost[name] = f"{type(e).__name__}: {e}"
                 self.dirty[p[sel]] = True   # part of its bytes may have landed without being present
@@ -289,23 +376,26 @@ class RemoteBlocks:
             self.wait_reads()
         keep = ~self.present[l, h, p] & (self.peer[p] >= 0)
         l, h, p = l[keep], h[keep], p[keep]
+        keep = self.lost_mask(p)
+        l, h, p = l[keep], h[keep], p[keep]
+        keep = self._take_slots(l, h, p)          # a compact tier: the pieces that got a pool row
+        l, h, p = l[keep], h[keep], p[keep]
+        dst = self._dst(l, h, p)
         owner = self.peer[p]
         started = []          # every peer's read is started before any is waited for
         for pi in torch.unique(owner).tolist():
             name = self.peer_names[pi]
-            if name in self.lost:
-                continue
             sel = owner == pi
-            ls, hs, ps = l[sel], h[sel], p[sel]
+            ls, hs, ps, ds = l[sel], h[sel], p[sel], dst[sel]
             try:
-                read = self.post(name, ls, hs, self.src_page[ps], ps) if self.post is not None else None
+                read = self.post(name, ls, hs, self.src_page[ps], ds) if self.post is not None else None
             except Exception as e:  # noqa: BLE001 - any failure of a peer ends its requests, not the step
                 self.lost[name] = f"{type(e).__name__}: {e}"
                 self.dirty[ps] = True       # (a transfer that failed while starting: counted as landed)
                 continue
-            started.append((name, ls, hs, ps, read))
+            started.append((name, ls, hs, ps, ds, read))
         n = 0
-        for name, ls, hs, ps, read in started:
+        for name, ls, hs, ps, ds, read in started:
             nb = 0
             try:
                 if self.post is not None:
@@ -316,7 +406,7 @@ class RemoteBlocks:
                 else:
                     for layer in torch.unique(ls).tolist():
                         m = ls == layer
-                        nb += int(self.fetch(name, layer, hs[m], self.src_page[ps[m]], ps[m]))
+                        nb += int(self.fetch(name, layer, hs[m], self.src_page[ps[m]], ds[m]))
             except Exception as e:  # noqa: BLE001 - any failure of a peer ends its requests, not the step
                 self.lost[name] = f"{type(e).__name__}: {e}"
                 ended = getattr(read, "ended", None)
@@ -444,15 +534,18 @@ class RemoteBlocks:
         Returns bytes started."""
         keep = ~self.present[l, h, p] & ~self.inflight[l, h, p] & (self.peer[p] >= 0)
         l, h, p = l[keep], h[keep], p[keep]
+        keep = self.lost_mask(p)
+        l, h, p = l[keep], h[keep], p[keep]
+        keep = self._take_slots(l, h, p)          # a compact tier: the pieces that got a pool row
+        l, h, p = l[keep], h[keep], p[keep]
+        dst = self._dst(l, h, p)
         n = 0
         owner = self.peer[p]
         for pi in torch.unique(owner).tolist():
             name = self.peer_names[pi]
-            if name in self.lost:
-                continue
             sel = owner == pi
             try:
-                read = self.post(name, l[sel], h[sel], self.src_page[p[sel]], p[sel])
+                read = self.post(name, l[sel], h[sel], self.src_page[p[sel]], dst[sel])
             except Exception as e:  # noqa: BLE001 - any failure of a peer ends its requests, not the step
                 self.lost[name] = f"{type(e).__name__}: {e}"
                 self.dirty[p[sel]] = True   # (a transfer that failed while starting: counted as landed)
@@ -541,3 +634,13 @@ class RemoteBlocks:
         if not lost:
             return torch.empty(0, dtype=torch.int64)
         return torch.nonzero(torch.isin(self.peer, torch.tensor(lost, dtype=torch.int32))).reshape(-1)
+
+
+def _first_of_each(key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(unique keys [U], first [U])``: the distinct values of ``key [M]`` (int64) in the order
+    they first occur, and the index of each one's first occurrence."""
+    uk, inv = torch.unique(key, return_inverse=True)
+    first = torch.full((uk.numel(),), key.numel(), dtype=torch.int64)
+    first.scatter_reduce_(0, inv, torch.arange(key.numel(), dtype=torch.int64), "amin")
+    order = torch.argsort(first)
+    return uk[order], first[order]

@@ -106,10 +106,38 @@ class PrefetchStages:
             cand = self.ops.budget_candidates(self.ws.ids[li], rows, wanted, forced, self.cfg.fetch_cap,
                                               self.budget.blocks)
             allow = self.ops.share_budget(cand, self.budget.blocks, clock, wanted.shape[-1])
-        kw = {} if self.host_slots is None else {"slots": self.host_slots[li], "dropped": self.host_dropped[li, 1]}
+        kw = {} if self.host_slots is None or self._reads_in_step(pipelined) else \
+            {"slots": self.host_slots[li], "dropped": self.host_dropped[li, 1]}
         return self.ops.plan_transfer(self.ws.ids[li], self.ws.last_used[li], rows, wanted, forced, clock,
                                       self.cfg.fetch_cap, seq, rtt, self.cfg.block_size, self.host.num_pages,
                                       self.counters[li], skip_row=self.padding_row, allow=allow, **kw)
+
+    def _reads_in_step(self, pipelined: bool) -> bool:
+        """The transfer stage of this plan reads missing pieces from their peer first (a PD
+        decode node, except a ``pipelined`` plan of one that ``defers_reads``). On a compact
+        tier such a plan lists whole-tier pieces ``h * P + page`` (``select``); ``transfer``
+        reads them, which gives them slots, then copies from their pool rows."""
+        return self.remote is not None and not (pipelined and self.defers_reads)
+
+    def _to_pool_rows(self, li: int, dst: torch.Tensor, src: torch.Tensor, counts: torch.Tensor):
+        """A compact tier: a plan of whole-tier pieces (``src [B*H, K]`` int64 ``h * P + page``)
+        as pool rows through the layer's slot table, after its reads gave them slots. A copy
+        whose piece has none (the pool was full, or its peer lost) is not made: its entry leaves
+        the list (live copies stay first in slot order), it is counted in ``host_dropped[li, 1]``
+        and not as admitted (``counters[li, 1]``), as ``plan_transfer`` does with ``slots``.
+        Returns ``(dst, src, counts)``."""
+        table = self.host_slots[li].long()
+        live = dst >= 0
+        row = torch.where(live, table[src.clamp(0, table.numel() - 1)], -1)
+        lost = live & (row < 0)
+        ok = live & ~lost
+        first = torch.sort((~ok).to(torch.int8), dim=-1, stable=True).indices
+        dst = torch.gather(torch.where(ok, dst, -1), -1, first)
+        src = torch.gather(torch.where(ok, row, -1), -1, first)
+        n = lost.sum()
+        self.host_dropped[li, 1] += n
+        self.counters[li, 1] -= n
+        return dst, src, ok.sum(-1).to(counts.dtype)
 
     def transfer(self, li: int, plan, pipelined: bool = False) -> None:
         """Stage (c), H2D: the working-set pieces of ``plan = (dst, src, counts)`` from the host
@@ -121,8 +149,10 @@ class PrefetchStages:
             return
         bs, D, Dv = self.cfg.block_size, self.host.head_dim, self.host.v_head_dim
         dst, src, counts = plan
-        if self.remote is not None and not (pipelined and self.defers_reads):   # read what is not here yet first
+        if self._reads_in_step(pipelined):          # read what is not here yet first
             self.remote.ensure_local(li, src.reshape(-1)[dst.reshape(-1) >= 0])
+            if self.host_slots is not None:         # whole-tier pieces (select): now their pool rows
+                dst, src, counts = self._to_pool_rows(li, dst, src, counts)
         hk, hv = self.host.piece_views(li)            # (a compact tier: the pools; src are pool rows)
         self.ops.copy_blocks(self.ws.k[li].view(-1, bs * D), self.ws.v[li].view(-1, bs * Dv), dst.reshape(-1),
                              hk, hv, src.reshape(-1), counts=counts)
