@@ -91,6 +91,14 @@ class OasisConfig:
             the plan per layer and step). A request's first decode step after admission always
             waits, and so does every step with ``predictor: current`` (it selects with its own
             query). Default "deferred".
+        pd_host_slots: PD decode node: ``null`` (default) keeps a host tier of every block
+            (page-locked whole at start-up on a GPU); an integer ``S`` gives it a *compact* tier
+            instead: one pool of ``S`` (sparse layer, KV head, block) pieces per TP rank
+            (``S * block_size * (head_dim + v_head_dim) * dtype bytes`` of host memory), which
+            holds only the pieces read from prefill nodes or decoded there and gives them back
+            when their request ends. When it is full, reads wait for a later step (counted and
+            warned about) and decoded blocks without a slot are not written back (counted).
+            Ignored on other nodes. 1 .. 2**31 - 1.
         measure_agreement: also score each step's own query and record, per layer, how much of
             its top-K the prediction held (costs the synchronous scoring; measurement only).
             Default false.
@@ -123,6 +131,7 @@ class OasisConfig:
     pd_lease_s: float = 60.0
     pd_read_timeout_s: float = 10.0
     pd_read_mode: str = "deferred"
+    pd_host_slots: Optional[int] = None
 
     def __post_init__(self) -> None:
         for key in ("budget_tokens", "block_size", "sink_blocks", "recent_blocks"):
@@ -196,6 +205,10 @@ class OasisConfig:
         if self.pd_read_mode not in PD_READ_MODES:
             raise OasisConfigError(
                 f"kv_sparse_config: 'pd_read_mode' must be one of {list(PD_READ_MODES)}, got {self.pd_read_mode!r}")
+        hs = self.pd_host_slots
+        if hs is not None and not (_is_int(hs) and 1 <= hs < 2**31):
+            raise OasisConfigError(f"kv_sparse_config: 'pd_host_slots' must be null (the whole host tier) or a "
+                                   f"positive integer of pieces below 2**31, got {hs!r}")
         for key in ("measure_agreement", "dense_short_contexts"):
             if not isinstance(getattr(self, key), bool):
                 raise OasisConfigError(f"kv_sparse_config: '{key}' must be true or false, got {getattr(self, key)!r}")

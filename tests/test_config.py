@@ -39,6 +39,12 @@ def test_frozen():
     ('{"kernels": null}', "kernels"),
     ('{"pd_read_mode": "async"}', "pd_read_mode"),
     ('{"pd_read_mode": null}', "pd_read_mode"),
+    ('{"pd_host_slots": 0}', "pd_host_slots"),
+    ('{"pd_host_slots": -5}', "pd_host_slots"),
+    ('{"pd_host_slots": 2147483648}', "pd_host_slots"),
+    ('{"pd_host_slots": 1.5}', "pd_host_slots"),
+    ('{"pd_host_slots": "4096"}', "pd_host_slots"),
+    ('{"pd_host_slots": true}', "pd_host_slots"),
     ('{"budget_tokens": 512, "budget_tokens": 1024}', "'budget_tokens' is given twice"),
     ('{"dense_layers": [-1]}', r"got \[-1\]"),
 ])
@@ -72,3 +78,11 @@ def test_kernel_backend_resolution():
     assert OasisConfig(kernels="torch").kernel_backend("cuda") == "torch"
     with pytest.raises(OasisConfigError, match="'kernels'.*cpu"):
         OasisConfig(kernels="triton").kernel_backend("cpu")
+
+
+def test_pd_host_slots():
+    assert OasisConfig().pd_host_slots is None
+    c = OasisConfig.from_json('{"pd_host_slots": 4096}')
+    assert c.pd_host_slots == 4096 and OasisConfig.from_json(c.to_json()) == c
+    with pytest.raises(ValueError, match="pd_host_slots"):
+        OasisConfig(pd_host_slots=0)

@@ -79,14 +79,16 @@ def init_attention_backends_hook(result, model_runner, *args, **kwargs):
 
         spec_probe.activate()
         draft_match = spec_probe.draft_match
-    # ReqToTokenPool never hands out row 0; decode CUDA graphs pad with it
+    pd = str(getattr(sa, "disaggregation_mode", "null") or "null")
+    # ReqToTokenPool never hands out row 0; decode CUDA graphs pad with it. A PD decode node with
+    # pd_host_slots: a compact host tier of that many pieces (disagg/README.md)
     engine = OasisSparseKV(cfg, **dims, dtype=pool.dtype, device=model_runner.device, ops=ops, predictor=predictor,
-                           padding_row=0, compute_dtype=compute_dtype)
+                           padding_row=0, compute_dtype=compute_dtype,
+                           host_slots=cfg.pd_host_slots if pd == "decode" else None)
     engine.bench = BenchHooks.from_env()
     runtime = OasisRuntime(engine)
     pool.oasis = engine
     rtp._oasis = runtime
-    pd = str(getattr(sa, "disaggregation_mode", "null") or "null")
     if pd in ("prefill", "decode"):
         if not engine.sparse_layers:
             raise OasisConfigError("--kv-sparse oasis with --disaggregation-mode: 'dense_layers' lists every layer; "
