@@ -331,7 +331,6 @@ class OasisSparseKV:
         (``RemoteBlocks.service``), so captured steps read nothing on the host; with ``wait``
         the transfer stage reads the plan on the host (decode steps run eagerly).
 
-        Raises:
         A compact host tier (``host_slots``): ``remote`` reads into pool rows it assigns first
         (``RemoteBlocks.use_slots`` with ``assign_host_pieces`` / ``free_host_pages``); a step
         that reads inside its layers plans whole-tier pieces, reads them, then copies from their
