@@ -82,8 +82,6 @@ def handle_kv_sparse_args(args) -> OasisConfig:
     cpu = _is_cpu(args)
     cfg.kernel_backend("cpu" if cpu else "cuda")        # 'kernels' vs the device, before loading
     if cpu:
-        import os
-
         if os.environ.get("SGLANG_USE_CPU_ENGINE") != "1":
             # without it SGLang 0.5.17 gets as far as loading the model, then stops on an import of
             # vllm's rotary embedding (srt/layers/rotary_embedding/base.py): say why before that

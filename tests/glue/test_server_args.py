@@ -252,6 +252,18 @@ def test_simulated_acceptance_is_refused(model, monkeypatch):
         make(model, kv_sparse="oasis", speculative_algorithm="EAGLE3")
 
 
+def test_gpu_path_with_a_draft_reaches_its_checks(model, monkeypatch):
+    """The GPU branch of ``handle_kv_sparse_args`` (here forced on a CPU box) runs its draft
+    checks: a local ``import os`` in the CPU branch once made ``os`` unbound on every GPU server
+    with a draft (UnboundLocalError at start-up, found on the H100 2026-12-07)."""
+    from oasis_sglang.sglang_glue import server_args as sa
+
+    monkeypatch.setattr(sa, "_is_cpu", lambda args: False)
+    monkeypatch.setenv("SGLANG_SIMULATE_ACC_LEN", "2")
+    with pytest.raises(OasisConfigError, match="SGLANG_SIMULATE_ACC_LEN"):
+        make(model, kv_sparse="oasis", speculative_algorithm="EAGLE3")
+
+
 @pytest.mark.parametrize("bad", ["0", "abc", "-0.5", "nan", "2"])
 def test_bad_init_new_token_ratio_is_named(model, monkeypatch, bad):
     """OasisKV reads SGLang's SGLANG_INIT_NEW_TOKEN_RATIO to size admission; a value that is not
