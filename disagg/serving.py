@@ -467,6 +467,16 @@ class DecodeSide:
                                    fetch=self.fetcher.fetch, device=engine.device,
                                    post=self.fetcher.post, poll=self.fetcher.poll)
         engine.attach_remote(self.remote)
+        host, mib = engine.host, 2 ** 20
+        whole = host.num_layers * host.head_num * host.num_pages * engine.block_bytes
+        if host.compact:
+            logger.info("OasisKV PD: decode node's host tier registered with NIXL as agent %s: a compact pool of %d "
+                        "pieces (pd_host_slots), %.2f MiB, instead of %.2f MiB for every block of its %d pages",
+                        self.tier.name, host.num_slots, host.nbytes / mib, whole / mib, host.num_pages)
+        else:
+            logger.info("OasisKV PD: decode node's host tier registered with NIXL as agent %s: every block of its %d "
+                        "pages, %.2f MiB (%s)", self.tier.name, host.num_pages, host.nbytes / mib,
+                        "committed as blocks are read or decoded" if host.on_demand else "page-locked whole")
         P = (pool.size + pool.page_size) // pool.page_size        # pages of every transfer region (pool.py)
         # the prefill node's page of each block arrives here with SGLang's transfer; -1: none yet
         pool.pd_page_ids = [torch.full((P,), -1, dtype=torch.int64, device=pool.device) for _ in range(2)]
@@ -950,8 +960,15 @@ class DecodeSide:
                 mib = 2 ** 20
                 less = f"{whole / held:.2f}x less" if held else "none held"
                 left = len(self.rows) - 1
-                # the tier's resident memory (mincore over the whole tier: ~1 s for a large one) only once idle
-                res = "-" if left else f"{self._sweep_idle() / mib:.2f} MiB"
+                # the tier's resident memory (mincore over the whole tier: ~1 s for a large one) only once idle;
+                # a compact tier: its pool's slots in use
+                host = self.engine.host
+                if host.compact:
+                    res = (f"{host.num_slots - host.free_slots} of {host.num_slots} pool slots in use (peak "
+                           f"{host.slots_peak}), "
+                           f"{self.remote.slot_misses} reads waited for a slot so far")
+                else:
+                    res = "-" if left else f"{self._sweep_idle() / mib:.2f} MiB"
                 logger.info("OasisKV PD: released request %s: its sparse layers' KV in this node's host tier %.2f MiB "
                             "(blocks read on demand or decoded here) vs %.2f MiB allocated whole (%s); host "
                             "tier resident %s, requests from prefill nodes held: %d; read on demand so far: %.2f "

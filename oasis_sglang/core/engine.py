@@ -162,12 +162,15 @@ class OasisSparseKV:
 
     @staticmethod
     def memory_plan(cfg: OasisConfig, num_layers: int, num_tokens: int, num_rows: int, head_num: int,
-                    head_dim: int, v_head_dim: int, dtype_bytes: int, summary_dtype_bytes: int | None = None) -> dict:
+                    head_dim: int, v_head_dim: int, dtype_bytes: int, summary_dtype_bytes: int | None = None,
+                    host_slots: int | None = None) -> dict:
         """Bytes the state will allocate, before allocating it.
 
         Args: the constructor's sizes; ``dtype_bytes`` bytes per element of the KV cache dtype
         (1 for fp8), ``summary_dtype_bytes`` of the summaries' (default ``dtype_bytes``; the
-        model's dtype with an fp8 KV cache).
+        model's dtype with an fp8 KV cache); ``host_slots``: a compact host tier of that many
+        (sparse layer, KV head, block) pieces (the constructor's ``host_slots``): its pool is
+        the host tier, whatever ``num_tokens``.
         Returns ``{"working_set": device bytes, "summaries": device bytes, "host_tier": host bytes}``.
         """
         sbytes = dtype_bytes if summary_dtype_bytes is None else summary_dtype_bytes
@@ -176,7 +179,8 @@ class OasisSparseKV:
         return {
             "working_set": L * num_rows * head_num * cfg.budget_tokens * (head_dim + v_head_dim) * dtype_bytes,
             "summaries": 2 * L * pages * head_num * head_dim * sbytes,
-            "host_tier": L * pages * cfg.block_size * head_num * (head_dim + v_head_dim) * dtype_bytes,
+            "host_tier": (L * pages * head_num if host_slots is None else host_slots)
+            * cfg.block_size * (head_dim + v_head_dim) * dtype_bytes,
         }
 
     @staticmethod

@@ -168,6 +168,7 @@ class HostTier:
         # (0, 1, 2, ... at first; the slots one unassign freed are handed out again first, lowest first)
         self._free = torch.arange(num_slots - 1, -1, -1, dtype=torch.int64)
         self._nfree = num_slots
+        self.slots_peak = 0      # the most slots in use at once since the tier was made (pieces)
 
     # ---- the whole tier's per-layer buffers ------------------------------------------------
     @property
@@ -282,6 +283,7 @@ class HostTier:
         if n:
             taken = self._free[self._nfree - n:self._nfree].flip(0)
             self._nfree -= n
+            self.slots_peak = max(self.slots_peak, self.num_slots - self._nfree)
             flat[new] = taken.to(torch.int32)
         return flat[key].to(torch.int64)
 

@@ -65,8 +65,12 @@ def init_attention_backends_hook(result, model_runner, *args, **kwargs):
     if compute_dtype is not None:
         check_kv_scales(model_runner.model, sa.kv_cache_dtype)
     sdtype = summary_dtype(pool.dtype, compute_dtype)
+    pd = str(getattr(sa, "disaggregation_mode", "null") or "null")
+    # a PD decode node with pd_host_slots: a compact host tier of that many pieces (disagg/README.md)
+    host_slots = cfg.pd_host_slots if pd == "decode" else None
     check_memory(cfg, OasisSparseKV.memory_plan(cfg, **dims, dtype_bytes=torch.empty((), dtype=pool.dtype).element_size(),
-                                                summary_dtype_bytes=torch.empty((), dtype=sdtype).element_size()),
+                                                summary_dtype_bytes=torch.empty((), dtype=sdtype).element_size(),
+                                                host_slots=host_slots),
                  model_runner.device, host_ranks=host_ranks)
     from oasis_sglang.kernels import get_kv_ops
 
@@ -79,12 +83,9 @@ def init_attention_backends_hook(result, model_runner, *args, **kwargs):
 
         spec_probe.activate()
         draft_match = spec_probe.draft_match
-    pd = str(getattr(sa, "disaggregation_mode", "null") or "null")
-    # ReqToTokenPool never hands out row 0; decode CUDA graphs pad with it. A PD decode node with
-    # pd_host_slots: a compact host tier of that many pieces (disagg/README.md)
+    # ReqToTokenPool never hands out row 0; decode CUDA graphs pad with it
     engine = OasisSparseKV(cfg, **dims, dtype=pool.dtype, device=model_runner.device, ops=ops, predictor=predictor,
-                           padding_row=0, compute_dtype=compute_dtype,
-                           host_slots=cfg.pd_host_slots if pd == "decode" else None)
+                           padding_row=0, compute_dtype=compute_dtype, host_slots=host_slots)
     engine.bench = BenchHooks.from_env()
     runtime = OasisRuntime(engine)
     pool.oasis = engine

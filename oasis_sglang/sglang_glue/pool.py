@@ -202,10 +202,14 @@ def config_from_budget_hook(original, self, budget_bytes, *args, **kwargs):
     kvb = torch.empty((), dtype=self.kv_cache_dtype).element_size()
     sb = torch.empty((), dtype=self.model_dtype).element_size() if is_fp8(self.kv_cache_dtype) else kvb
     host = None
+    # a PD decode node with pd_host_slots: its host tier is a fixed pool (check_memory checks it),
+    # so host memory does not bound the tokens; the device does
+    compact = str(getattr(sa, "disaggregation_mode", "null")) == "decode" and cfg.pd_host_slots is not None
     if torch.device(self.device).type != "cpu":
         import psutil
 
-        host = int(HOST_SHARE * psutil.virtual_memory().available) // max(1, tp // nnodes)
+        host = COMPACT_HOST_BYTES if compact else int(HOST_SHARE * psutil.virtual_memory().available) // max(
+            1, tp // nnodes)
     try:
         cap = OasisSparseKV.token_capacity(
             cfg, int(budget_bytes), cell, host, num_layers=mc.num_hidden_layers, num_rows=rows,
@@ -218,7 +222,9 @@ def config_from_budget_hook(original, self, budget_bytes, *args, **kwargs):
         "OasisKV: KV cache sized to %d tokens by the %s memory (a dense pool would hold %d on this device): "
         "device %.1f KiB per token (dense layers, draft, summaries) + working set %.2f GiB, host tier %.1f KiB "
         "per token%s%s", cap["tokens"], cap["limit"], dense, cap["device_cell"] / 1024, cap["working_set"] / 2**30,
-        cap["host_cell"] / 1024, "" if host is None else f" (up to {host / 2**30:.1f} GiB of host memory)",
+        cap["host_cell"] / 1024,
+        "" if host is None else f" (a compact pool of pd_host_slots={cfg.pd_host_slots} pieces holds what is read)"
+        if compact else f" (up to {host / 2**30:.1f} GiB of host memory)",
         f"; --max-total-tokens {sa.max_total_tokens} caps it" if sa.max_total_tokens else "")
     return original(self, cap["tokens"] * cell, *args, **kwargs)
 
@@ -226,3 +232,6 @@ def config_from_budget_hook(original, self, budget_bytes, *args, **kwargs):
 # the most of the host memory available at start-up the host tier may take by default (pinned;
 # the rest stays for the server's own processes and the OS); --max-total-tokens sets it exactly
 HOST_SHARE = 0.85
+# what token_capacity is told a compact decode tier's host may hold: more than any host (the pool,
+# not the tokens, takes host memory there)
+COMPACT_HOST_BYTES = 2 ** 62

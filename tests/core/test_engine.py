@@ -251,6 +251,12 @@ def test_memory_plan_matches_allocation(seed):
     plan = OasisSparseKV.memory_plan(cfg, 3, 512, 4, 2, 8, 8, 4)
     eng = OasisSparseKV(cfg, 3, 512, 4, 2, 8, 8, torch.float32, "cpu")
     assert plan == {"working_set": eng.ws.nbytes, "summaries": eng.summaries.nbytes, "host_tier": eng.host.nbytes}
+    # a compact host tier (a PD decode node's pd_host_slots): its pool is the host tier, whatever the tokens
+    plan_c = OasisSparseKV.memory_plan(cfg, 3, 512, 4, 2, 8, 8, 4, host_slots=100)
+    eng_c = OasisSparseKV(cfg, 3, 512, 4, 2, 8, 8, torch.float32, "cpu", host_slots=100)
+    assert plan_c == {"working_set": eng_c.ws.nbytes, "summaries": eng_c.summaries.nbytes,
+                      "host_tier": eng_c.host.nbytes}
+    assert plan_c["host_tier"] == 100 * 4 * (8 + 8) * 4 < plan["host_tier"]
 
 
 def test_token_capacity_fills_the_device_and_the_host_by_what_each_keeps(seed):

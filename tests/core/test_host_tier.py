@@ -226,6 +226,7 @@ def test_unassign_frees_every_layer_and_head_and_reuses_them_first():
     assert ht.unassign([3]) == 0
     got = ht.assign([0, 1, 1], [0, 0, 2], [4, 4, 0])
     assert got.tolist() == held3[:3], "the freed slots come back first, lowest first"
+    assert ht.slots_peak == 12 and ht.free_slots == 3      # the peak stays at the most ever held
     assert ht.unassign(torch.tensor([], dtype=torch.int64)) == 0
 
 
