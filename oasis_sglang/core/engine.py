@@ -170,9 +170,15 @@ class OasisSparseKV:
         (1 for fp8), ``summary_dtype_bytes`` of the summaries' (default ``dtype_bytes``; the
         model's dtype with an fp8 KV cache); ``host_slots``: a compact host tier of that many
         (sparse layer, KV head, block) pieces (the constructor's ``host_slots``): its pool is
-        the host tier, whatever ``num_tokens``.
+        the host tier, whatever ``num_tokens`` (its slot table, 4 bytes per piece of the whole
+        tier on the host and again on the device, is left out).
         Returns ``{"working_set": device bytes, "summaries": device bytes, "host_tier": host bytes}``.
+        Raises:
+            ValueError: ``host_slots`` not a positive integer.
         """
+        if host_slots is not None and (isinstance(host_slots, bool) or not isinstance(host_slots, int)
+                                       or host_slots < 1):
+            raise ValueError(f"memory_plan: host_slots must be a positive integer (pieces) or None, got {host_slots!r}")
         sbytes = dtype_bytes if summary_dtype_bytes is None else summary_dtype_bytes
         L = num_layers - len([x for x in cfg.dense_layers if x < num_layers])
         pages = -(-num_tokens // cfg.block_size)

@@ -144,8 +144,16 @@ class HostTier:
         else:
             shapes = [(num_slots, block_size, head_dim), (num_slots, block_size, v_head_dim)]
         self.on_demand = not pin_memory
+        self.slots_peak = 0      # a compact tier: the most slots in use at once since it was made (pieces)
         if not pin_memory:
-            bufs = [_on_demand_zeros(s, dtype) for s in shapes]
+            try:
+                bufs = [_on_demand_zeros(s, dtype) for s in shapes]
+            except OSError as e:
+                if num_slots is None:
+                    raise
+                raise OSError(e.errno, f"HostTier: the compact pool of num_slots={num_slots} pieces "
+                                       f"({num_slots * block_size * (head_dim + v_head_dim) * torch.empty((), dtype=dtype).element_size() / 2**30:.2f} GiB) "
+                                       f"could not be mapped: {e.strerror}") from e
         else:
             dev = torch.cuda.current_device() if pin_device is None else pin_device
             cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -168,7 +176,6 @@ class HostTier:
         # (0, 1, 2, ... at first; the slots one unassign freed are handed out again first, lowest first)
         self._free = torch.arange(num_slots - 1, -1, -1, dtype=torch.int64)
         self._nfree = num_slots
-        self.slots_peak = 0      # the most slots in use at once since the tier was made (pieces)
 
     # ---- the whole tier's per-layer buffers ------------------------------------------------
     @property

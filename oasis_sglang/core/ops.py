@@ -13,8 +13,11 @@ Layouts (one sparse layer; paper: Methodology, tiered KV and head-wise mapping):
               kernel's device): piece ``(h, page)`` is pool row ``slots[h * P + page]``, none
               where ``-1``. The ops taking ``slots`` (``write_kv``, ``plan_transfer``,
               ``append_tokens``) drop a write to a piece without a slot and make no copy from
-              one, and count each in ``dropped`` (int64, one element, on the kernel's device);
-              they never address a row outside the pool. ``slots=None``: the whole tier.
+              one, and count each in ``dropped`` (int64, one element, on the kernel's device).
+              The table's values must lie in ``-1 .. S - 1`` (``HostTier.assign`` keeps them
+              there): the Triton kernels check it only with ``OASIS_KERNEL_CHECKS=1``, and
+              ``plan_transfer`` (which does not know ``S``) leaves it to ``copy_blocks``' check of
+              its ``src_idx``. ``slots=None``: the whole tier.
   summaries   ``kmin / kmax [P, H, D]`` (device), block ``p`` = SGLang page ``p``
   working set ``ws_k [R, H, K, bs, D]``, ``ws_v [R, H, K, bs, Dv]``, ``ids [R, H, K]`` int64
               (logical block held by slot ``(r, h, e)``, ``-1`` free)

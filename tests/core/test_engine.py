@@ -257,6 +257,9 @@ def test_memory_plan_matches_allocation(seed):
     assert plan_c == {"working_set": eng_c.ws.nbytes, "summaries": eng_c.summaries.nbytes,
                       "host_tier": eng_c.host.nbytes}
     assert plan_c["host_tier"] == 100 * 4 * (8 + 8) * 4 < plan["host_tier"]
+    for bad in (0, -5, 1.5, True, "7"):
+        with pytest.raises(ValueError, match="host_slots"):
+            OasisSparseKV.memory_plan(cfg, 3, 512, 4, 2, 8, 8, 4, host_slots=bad)
 
 
 def test_token_capacity_fills_the_device_and_the_host_by_what_each_keeps(seed):

@@ -305,3 +305,15 @@ def test_compact_on_demand_pool_resident_pages_follow_the_table(seed):
     assert ht.resident_pages().numel() == 0, "a slot never written holds no memory"
     ht.k_pool[int(ht.slots[1, 0 * P + 5])] = 1.0
     assert ht.resident_pages().tolist() == [5] and ht.resident_bytes() == bs * D * 4
+
+
+def test_a_compact_pool_too_large_to_map_names_num_slots():
+    """32 TiB of pool: the mmap fails (unless the kernel overcommits without limit) and the error
+    names ``num_slots`` and the bytes, not only ENOMEM."""
+    from pathlib import Path
+
+    mode = Path("/proc/sys/vm/overcommit_memory")
+    if not mode.exists() or mode.read_text().strip() == "1":
+        pytest.skip("the kernel overcommits any mapping (vm.overcommit_memory=1)")
+    with pytest.raises(OSError, match=r"num_slots=2147483647 pieces \(32768.00 GiB\)"):
+        HostTier(1, 4, 16, 8, 128, 128, torch.float32, num_slots=2**31 - 1)
