@@ -748,9 +748,19 @@ class OasisSparseKV:
         need = (self.host.slots[:, cols] < 0).view(L, H, -1).any(0).any(0)             # [n] pages lacking one
         got = 0
         miss = 0
-        for pg in pages[need].tolist():            # page by page: one that fits gets all its pieces
-            li = torch.arange(L)[:, None].expand(L, H).reshape(-1)
-            hh = torch.arange(H)[None, :].expand(L, H).reshape(-1)
+        li = torch.arange(L)[:, None].expand(L, H).reshape(-1)                          # [L * H]
+        hh = torch.arange(H)[None, :].expand(L, H).reshape(-1)
+        todo_pages = pages[need]
+        n = todo_pages.numel()
+        before = self.host.free_slots
+        try:                                       # every page at once (one assign, one table copy)
+            if n:
+                self.assign_host_pieces(li.repeat(n), hh.repeat(n), todo_pages.repeat_interleave(L * H))
+            got = before - self.host.free_slots
+            todo_pages = todo_pages[:0]
+        except HostTierFull:                       # then page by page: one that fits gets all its pieces
+            pass
+        for pg in todo_pages.tolist():
             before = self.host.free_slots
             try:
                 self.assign_host_pieces(li, hh, torch.full_like(li, pg))
