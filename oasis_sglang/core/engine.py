@@ -30,7 +30,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import time
 from collections.abc import Sequence
 
 import torch
@@ -41,7 +40,7 @@ from .bench_hooks import BenchHooks
 from .budget import TransferBudget
 from .checks import as_int, check_batch, check_rows, check_table, host_lists
 from .devcopy import to_device
-from .host_tier import HostTier, HostTierFull
+from .host_tier import EveryFewSeconds, HostTier, HostTierFull
 from .kv_dtype import as_stored, summary_dtype
 from .ops import BaseKVOps, TorchKVOps
 from .prediction import PredictionRecord
@@ -158,7 +157,7 @@ class OasisSparseKV:
         # slots (``assign_write_pages``); pieces not written back for want of a free slot
         self._write_block: dict[int, int] = {}
         self.host_write_misses = 0
-        self._write_warned_at = float("-inf")
+        self._write_warn = EveryFewSeconds(self.WRITE_WARN_S)
 
     @staticmethod
     def memory_plan(cfg: OasisConfig, num_layers: int, num_tokens: int, num_rows: int, head_num: int,
@@ -770,9 +769,7 @@ class OasisSparseKV:
             got += before - self.host.free_slots
         if miss:
             self.host_write_misses += miss
-            now = time.monotonic()
-            if now - self._write_warned_at >= self.WRITE_WARN_S:
-                self._write_warned_at = now
+            if self._write_warn.due():
                 logger.warning("OasisKV: the compact host tier is full: %d pieces of pages decoded into have no slot "
                                "(their blocks are not written back; %d in all so far); raise pd_host_slots",
                                miss, self.host_write_misses)

@@ -24,6 +24,7 @@ import ctypes
 import functools
 import mmap
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -92,6 +93,23 @@ def _pinned_zeros(shape: tuple, dtype: torch.dtype, device_index: int | None = N
                            f"check the page-lock limit (ulimit -l) and free host memory")
     weakref.finalize(t, cudart.cudaHostUnregister, t.data_ptr())
     return t
+
+
+class EveryFewSeconds:
+    """A rate limit for a log line said while a condition lasts (a full compact pool, once per
+    step otherwise): ``due()`` is True at the first call and then at most every ``interval_s``
+    seconds (``time.monotonic``)."""
+
+    def __init__(self, interval_s: float = 10.0):
+        self.interval_s = float(interval_s)
+        self._last = float("-inf")
+
+    def due(self) -> bool:
+        now = time.monotonic()
+        if now - self._last < self.interval_s:
+            return False
+        self._last = now
+        return True
 
 
 class HostTierFull(RuntimeError):

@@ -52,7 +52,7 @@ from typing import Callable
 import torch
 
 from .devcopy import to_device
-from .host_tier import HostTierFull
+from .host_tier import EveryFewSeconds, HostTierFull
 
 logger = logging.getLogger(__name__)
 
@@ -138,7 +138,7 @@ class RemoteBlocks:
         self._free_pages: Callable | None = None
         self._free_slots: Callable | None = None
         self.slot_misses = 0            # pieces not read for want of a free slot (compact tier)
-        self._warned_at = float("-inf")
+        self._warn = EveryFewSeconds(self.WARN_S)
 
     WARN_S = 10.0       # the most often a full compact pool is warned about (seconds)
 
@@ -182,9 +182,7 @@ class RemoteBlocks:
                     self._assign(ln[take], hn[take], pn[take])
                 miss = int(uk.numel()) - k
                 self.slot_misses += miss
-                now = time.monotonic()
-                if now - self._warned_at >= self.WARN_S:
-                    self._warned_at = now
+                if self._warn.due():
                     logger.warning("OasisKV PD: the compact host tier is full: %d pieces not read this time (they stay "
                                    "missing: the working set keeps what it had; %d in all so far); raise pd_host_slots",
                                    miss, self.slot_misses)
