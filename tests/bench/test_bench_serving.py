@@ -414,6 +414,29 @@ def test_profile_trace_attributes_the_compute_streams_gaps(tmp_path):
     assert "| `attn` | `gemm` | `_copy_rows_kernel` | 0.146 | 1.0 |" in md
 
 
+def test_profile_trace_writes_a_timeline_of_every_gpu_event(tmp_path):
+    """--timeline: one CSV row per GPU event, by start, times from the first start, gzip for .gz;
+    CPU events are left out."""
+    import csv
+    import gzip
+    from oasis_sglang.bench import profile_trace as pt
+
+    k = lambda name, stream, ts, dur: {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur,  # noqa: E731
+                                       "args": {"stream": stream}}
+    ev = [k("_copy_rows_kernel", 9, 1150, 200), k("nvjet_gemm", 7, 1000, 100),
+          {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5000}]
+    tr = _trace(tmp_path, ev)
+    assert pt.main([str(tr), "--steps", "1", "--timeline", str(tmp_path / "t.csv.gz")]) == 0
+    rows = list(csv.reader(gzip.decompress((tmp_path / "t.csv.gz").read_bytes()).decode().splitlines()))
+    assert rows == [["start_us", "dur_us", "stream", "group", "name"],
+                    ["0.000", "100.000", "7", "GEMMs", "nvjet_gemm"],
+                    ["150.000", "200.000", "9", "H2D copy", "_copy_rows_kernel"]]
+    assert pt.write_timeline(pt.load_gpu_events(tr), tmp_path / "t.csv") == 2
+    assert (tmp_path / "t.csv").read_text().splitlines()[1].startswith("0.000,100.000,7,GEMMs")
+    with pytest.raises(ValueError, match="no GPU events"):
+        pt.write_timeline([], tmp_path / "e.csv")
+
+
 def test_profile_trace_rejects_what_it_cannot_read(tmp_path, capsys):
     from oasis_sglang.bench import profile_trace as pt
 
