@@ -518,7 +518,7 @@ def start_server(args: list[str], log_path: Path, a, ablate: bool = False, churn
                 os.environ.pop(k, None)
 
 
-SERVER_ENV = ("OASIS_SPEC_OVERLAP", "OASIS_COPY_PROGRAMS", "OASIS_DECODE_LOG_INTERVAL")   # recorded when set
+SERVER_ENV = ("OASIS_SPEC_OVERLAP", "OASIS_COPY_PROGRAMS", "OASIS_DECODE_LOG_INTERVAL", "OASIS_ABLATE")   # recorded when set
 
 
 def server_env() -> dict:
