@@ -518,7 +518,8 @@ def start_server(args: list[str], log_path: Path, a, ablate: bool = False, churn
                 os.environ.pop(k, None)
 
 
-SERVER_ENV = ("OASIS_SPEC_OVERLAP", "OASIS_COPY_PROGRAMS", "OASIS_DECODE_LOG_INTERVAL", "OASIS_ABLATE")   # recorded when set
+SERVER_ENV = ("OASIS_SPEC_OVERLAP", "OASIS_COPY_PROGRAMS", "OASIS_DECODE_LOG_INTERVAL", "OASIS_ABLATE",
+              "OASIS_RECORD_LENGTHS")   # recorded when set
 
 
 def server_env() -> dict:

@@ -65,6 +65,17 @@ class PredictionRecord:
         read). Call only while ``trusted``."""
         return all(self.host.get(r) == x for r, x in zip(rows_host, seq_host))
 
+    def lengths_host(self, rows_host: Sequence[int]) -> list[int] | None:
+        """The context each of ``rows_host`` was last predicted for, from the host mirror (host
+        integers, batch order), or ``None`` when the mirror is untrusted or a row has no
+        prediction. With a draft that is never accepted (``sglang_glue.spec_probe``) every
+        decode step adds exactly one token per request, so this is the step's context without a
+        host read of SGLang's lengths (``sglang_glue.batch_info.host_lengths``)."""
+        if self.host is None:
+            return None
+        out = [self.host.get(int(r)) for r in rows_host]
+        return None if any(x is None for x in out) else out
+
     def all_predicted_device(self, rows: torch.Tensor, seq: torch.Tensor) -> bool:
         """The same check against the device record (one host read: a sync)."""
         return not bool((self.seq[rows] != seq).any())

@@ -19,7 +19,7 @@ from __future__ import annotations
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
 from ..core import StepMode
-from .batch_info import extend_host, host_rows, max_seq_len
+from .batch_info import extend_host, host_lengths, host_rows, max_seq_len
 from .draft_backend import paged_ok, paired_paged_attention
 from .log_line import DecodeLog
 from .runtime import OasisRuntime
@@ -43,6 +43,15 @@ class OasisAttnBackend(WrappedBackend):
         self.token_to_kv_pool = pool
         self.last_sparse_layer = self.engine.sparse_layers[-1] if self.engine.sparse_layers else -1
         self._step_rows = None        # req_pool_indices of the batch the engine's step was begun for
+
+    @property
+    def needs_cpu_seq_lens(self) -> bool:
+        """SGLang's ``AttentionBackend.needs_cpu_seq_lens`` (read once by the scheduler,
+        ``overlap_utils.decide_needs_cpu_seq_lens``): False while the steps take their host
+        lengths from the prediction record (``OasisRuntime.record_lengths``). Then SGLang's
+        overlapped speculative worker does not wait for step ``t``'s verify to copy its lengths
+        to the host before it prepares and launches step ``t+1`` (``FutureMap.resolve_seq_lens_cpu``)."""
+        return not self.runtime.record_lengths
 
     # ---- SGLang's forward-metadata hooks: one decode step each ---------------------------
     def init_forward_metadata(self, forward_batch):
@@ -76,9 +85,12 @@ class OasisAttnBackend(WrappedBackend):
         extra = 1 if mode.is_target_verify() else 0
         self.log.maybe_log()           # about the steps before this one: their device work is queued
         self.runtime.replay_dense = False
+        seq = host_lengths(forward_batch, rows, extra, self.runtime)
+        if seq is None:                # (can_run_graph_hook refuses such a batch first)
+            raise RuntimeError(f"OasisKV: replaying a decode CUDA graph without the host lengths of its {B} rows")
         st = self.engine.begin_decode_step(forward_batch.req_pool_indices, forward_batch.seq_lens,
                                            self.req_to_token_pool.req_to_token, mode=StepMode.REPLAY, rows_host=rows,
-                                           seq_lens_host=[x + extra for x in forward_batch.seq_lens_cpu[:B].tolist()])
+                                           seq_lens_host=seq)
         self.runtime.replay_dense = st.dense     # the runner then picks the dense-path graph (graph_hooks)
         return r
 
@@ -99,7 +111,7 @@ class OasisAttnBackend(WrappedBackend):
         mx = None if mode is StepMode.CAPTURE else max_seq_len(forward_batch)
         rows_h = seq_h = None
         if mode is StepMode.EAGER:
-            rows_h, seq_h = host_rows(forward_batch, self.runtime.batch_rows_host, extra)
+            rows_h, seq_h = host_rows(forward_batch, self.runtime.batch_rows_host, extra, self.runtime)
         self.engine.begin_decode_step(forward_batch.req_pool_indices, forward_batch.seq_lens,
                                       self.req_to_token_pool.req_to_token, mode=mode,
                                       max_seq_len=None if mx is None else mx + extra,

@@ -18,6 +18,7 @@ from ..core import OasisSparseKV
 from ..core.bench_hooks import BenchHooks
 from ..core.kv_dtype import is_fp8, summary_dtype
 from .runtime import OasisRuntime
+from .server_args import record_lengths
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +89,11 @@ def init_attention_backends_hook(result, model_runner, *args, **kwargs):
                            padding_row=0, compute_dtype=compute_dtype, host_slots=host_slots)
     engine.bench = BenchHooks.from_env()
     runtime = OasisRuntime(engine)
+    runtime.record_lengths = record_lengths(algo, engine.predictor.asynchronous, pd)
+    if first and runtime.record_lengths:
+        logger.info("OasisKV: decode steps take their host lengths from the prediction record (the %s draft is "
+                    "never accepted: one token a step); SGLang copies no seq_lens to the host for them "
+                    "(OASIS_RECORD_LENGTHS=0: SGLang's copy)", algo.upper())
     pool.oasis = engine
     rtp._oasis = runtime
     if pd in ("prefill", "decode"):

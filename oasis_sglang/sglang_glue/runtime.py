@@ -21,6 +21,13 @@ class OasisRuntime:
             (``DecodeStep.dense``; read by ``graph_hooks.resolve_variant_hook``).
         log: the engine's ``log_line.DecodeLog`` (its queued lines are written when their
             copies land: at a later step, or when a request is freed).
+        record_lengths: decode and paired-verify steps take their host lengths from the
+            engine's prediction record (``batch_info.host_lengths``), so the attention backend
+            asks SGLang for no host copy of ``seq_lens`` (``needs_cpu_seq_lens`` False: spec v2's
+            overlap scheduler then launches step ``t+1`` without waiting for step ``t``'s verify).
+            Set with a draft that is never accepted (``install``, ``OASIS_RECORD_LENGTHS``).
+        length_mismatches: rows whose record length differed from SGLang's host length where
+            the batch carried both (each one logged as an error; the record is then rebuilt).
     """
 
     engine: object
@@ -28,6 +35,8 @@ class OasisRuntime:
     capture_dense: bool = False
     replay_dense: bool = False
     log: object = None
+    record_lengths: bool = False
+    length_mismatches: int = 0
 
 
 def runtime_of(req_to_token_pool) -> OasisRuntime | None:

@@ -6,6 +6,7 @@ delegates to the engine; without ``--kv-sparse oasis`` (or on the draft model) t
 
 from __future__ import annotations
 
+from .batch_info import host_lengths
 from .runtime import runtime_of
 
 
@@ -43,12 +44,13 @@ def can_run_graph_hook(result, self, forward_batch, *args, **kwargs):
         # eagle_prepare_for_verify, then ModelRunner._forward_raw): the replay's bookkeeping ran
         # at that load and advanced the record, and the batch is planned for the replay only
         return result
-    rows, seq = rt.batch_rows_host, getattr(forward_batch, "seq_lens_cpu", None)
+    rows = rt.batch_rows_host
     B = forward_batch.batch_size
-    if rows is None or seq is None or len(rows) != B or len(seq) != B:
+    if rows is None or len(rows) != B:
         return False
     extra = 1 if mode.is_target_verify() else 0     # the paired verify's decode row: one more token
-    return rt.engine.can_replay(rows, [x + extra for x in seq.tolist()])
+    seq = host_lengths(forward_batch, rows, extra, rt)
+    return seq is not None and rt.engine.can_replay(rows, seq)
 
 
 def req_free_hook(self, req, *args, **kwargs):

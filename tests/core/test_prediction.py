@@ -132,3 +132,13 @@ def test_confirm_of_an_agreeing_mirror_changes_nothing_and_logs_nothing(caplog):
     with caplog.at_level(logging.INFO, logger="oasis_sglang.core.prediction"):
         rec.confirm()
     assert rec.host == {0: 5, 2: 6} and not caplog.records
+
+
+def test_lengths_host_gives_every_rows_predicted_context_or_none():
+    r = _record()
+    r.mirror([1, 2], [21, 30])
+    assert r.lengths_host([2, 1]) == [30, 21]
+    assert r.lengths_host([1, 3]) is None, "a row never predicted"
+    assert r.lengths_host([]) == []
+    r.distrust()
+    assert r.lengths_host([1]) is None, "an untrusted mirror"

@@ -115,6 +115,10 @@ def test_lookahead_is_exact_when_budget_covers_context(dense, eagle_full, tok):
     log = eagle_full.log()
     assert "lookahead predictor" in log and "leak" not in log.lower()
     assert "draft layer's draft-extend pass runs torch paged attention" in log
+    # the steps' host lengths come from the prediction record; SGLang's CPU engine still copies its
+    # own (its speculative backend asks for them), so every step compared the two: none differed
+    assert "take their host lengths from the prediction record" in log
+    assert "differ from SGLang's" not in log
 
 
 def test_ngram_lookahead_is_exact_when_budget_covers_context(dense, ngram_full, tok):
@@ -126,6 +130,8 @@ def test_ngram_lookahead_is_exact_when_budget_covers_context(dense, ngram_full, 
     line = ngram_full.residency_lines()[-1]
     assert "predictor: lookahead" in line and "synchronous steps: 0" in line and "draft match: " in line, line
     assert "prediction check: host" in line, line
+    log = ngram_full.log()
+    assert "take their host lengths from the prediction record" in log and "differ from SGLang's" not in log
 
 
 # the longest case (test_e2e.py runs all three with the same budget; CI has 90 minutes)

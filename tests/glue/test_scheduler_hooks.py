@@ -189,6 +189,49 @@ def test_a_paired_verify_batch_replays_when_its_decode_row_was_predicted(seed):
     assert can_run_graph_hook(True, runner, ext) is True, "not a decode pass: SGLang decides"
 
 
+def test_record_lengths_replay_a_verify_batch_without_sglangs_host_lengths(seed, caplog):
+    """``record_lengths`` (a draft that is never accepted): a TARGET_VERIFY batch that carries no
+    ``seq_lens_cpu`` (SGLang's overlapped spec worker when no backend asks for it) replays on the
+    prediction record's lengths; without the flag it cannot. Where SGLang's copy is there too the
+    two are compared: a difference is logged, counted, SGLang's lengths decide, and the record's
+    host mirror is dropped (no replay until it is rebuilt)."""
+    from oasis_sglang.sglang_glue.attn_backend import OasisAttnBackend
+    from oasis_sglang.sglang_glue.batch_info import host_lengths
+
+    rtp = _pool()
+    rt = rtp._oasis
+    reqs = _reqs(rtp, 2)
+    runner = _graph_runner(rtp)
+    run_batch_hook(SimpleNamespace(req_to_token_pool=rtp), ScheduleBatch(reqs=reqs))
+    _prefill(rtp, [1, 2], 20)                            # predicts context 21 for each row
+    verify = lambda seq, cpu=True: _decode_batch([1, 2], seq, mode=ForwardMode.TARGET_VERIFY) if cpu else \
+        _nocpu(_decode_batch([1, 2], seq, mode=ForwardMode.TARGET_VERIFY))  # noqa: E731
+    assert can_run_graph_hook(True, runner, verify([20, 20], cpu=False)) is False, "flag off: no host lengths"
+    backend = object.__new__(OasisAttnBackend)
+    backend.runtime = rt
+    assert backend.needs_cpu_seq_lens is True
+    rt.record_lengths = True
+    assert backend.needs_cpu_seq_lens is False           # what SGLang's scheduler reads at start-up
+    assert can_run_graph_hook(True, runner, verify([20, 20], cpu=False)) is True
+    assert host_lengths(verify([20, 20], cpu=False), [1, 2], 1, rt) == [21, 21]
+    assert host_lengths(verify([20, 20]), [1, 2], 1, rt) == [21, 21] and rt.length_mismatches == 0
+    # a row the record knows nothing of: the host has no lengths for the batch
+    assert host_lengths(_nocpu(_decode_batch([1, 3], [20, 20])), [1, 3], 1, rt) is None
+    # SGLang's copy disagrees with the record: SGLang's lengths, counted and logged, mirror dropped
+    with caplog.at_level("ERROR"):
+        assert host_lengths(verify([21, 20]), [1, 2], 1, rt) == [22, 21]
+    assert rt.length_mismatches == 1 and "differ from SGLang's for 1 of 2 rows" in caplog.text
+    assert not rt.engine.record.trusted
+    assert can_run_graph_hook(True, runner, verify([20, 20], cpu=False)) is False, "until the mirror is rebuilt"
+    rt.engine.record.confirm()                           # (the next report rebuilds it from the device)
+    assert can_run_graph_hook(True, runner, verify([20, 20], cpu=False)) is True
+
+
+def _nocpu(fb):
+    fb.seq_lens_cpu = None
+    return fb
+
+
 def test_can_run_graph_leaves_other_passes_and_the_draft_model_to_sglang(seed):
     rtp = _pool()
     reqs = _reqs(rtp, 2)
