@@ -25,7 +25,8 @@ class OasisRuntime:
             engine's prediction record (``batch_info.host_lengths``), so the attention backend
             asks SGLang for no host copy of ``seq_lens`` (``needs_cpu_seq_lens`` False: spec v2's
             overlap scheduler then launches step ``t+1`` without waiting for step ``t``'s verify).
-            Set with a draft that is never accepted (``install``, ``OASIS_RECORD_LENGTHS``).
+            Set with a draft that is never accepted (``install``; ``server_args.record_lengths``:
+            on for the CPU engine, on a GPU only with ``OASIS_RECORD_LENGTHS=1``).
         length_mismatches: rows whose record length differed from SGLang's host length where
             the batch carried both (each one logged as an error; the record is then rebuilt).
     """

@@ -308,18 +308,21 @@ def spec_overlap(spec: str | None, pd: str = "null") -> tuple[bool, bool]:
     return spec in SPEC_OVERLAP_ALGORITHMS and pd == "null", False
 
 
-def record_lengths(spec: str | None, asynchronous: bool, pd: str = "null") -> bool:
+def record_lengths(spec: str | None, asynchronous: bool, pd: str = "null", cuda: bool = False) -> bool:
     """Whether decode steps take their host lengths from OasisKV's prediction record instead
     of SGLang's host copy of ``seq_lens`` (``OasisRuntime.record_lengths``), by
-    ``OASIS_RECORD_LENGTHS`` (``"0"`` / ``"1"``; empty or unset: on).
+    ``OASIS_RECORD_LENGTHS`` (``"0"`` / ``"1"``; empty or unset: on for the CPU engine, off on
+    a GPU, where it has not run yet).
 
     Only with a draft (``spec``, any case; its drafts are never accepted, ``spec_probe``, so
     each step adds exactly one token per request and the record, advanced by one a step, holds
     every row's context), an asynchronous predictor (the record is kept per step) and outside
     PD (a decode node installs prefill-planned first steps). Why: with SGLang's host copy, the
     overlapped speculative worker waits for step ``t``'s verify before it prepares step
-    ``t+1``, and that host work (5.6 ms at 39 x 16K on the H200, 2026-12-07) left the GPU idle
-    4.4 ms a step after the draft-extend pass.
+    ``t+1``, and that host work (about 5.6 ms at 39 x 16K on the H200, 2026-12-07) left the GPU
+    idle 4.4 ms a step after the draft-extend pass. On the CPU engine SGLang copies its lengths
+    anyway (its speculative backend asks for them), so there every step compares the two
+    (``batch_info.host_lengths``): what CI tests.
 
     Raises:
         OasisConfigError: ``OASIS_RECORD_LENGTHS`` is set to something other than ``0`` or ``1``.
@@ -327,8 +330,10 @@ def record_lengths(spec: str | None, asynchronous: bool, pd: str = "null") -> bo
     raw = os.environ.get("OASIS_RECORD_LENGTHS", "")
     if raw not in ("", "0", "1"):
         raise OasisConfigError(f"OASIS_RECORD_LENGTHS={raw!r}: want 1 (decode steps with a draft take their host "
-                               f"lengths from the prediction record; the default) or 0 (SGLang's host copy)")
-    return raw != "0" and bool(spec) and bool(asynchronous) and str(pd or "null") == "null"
+                               f"lengths from the prediction record; the default on the CPU engine) or 0 (SGLang's "
+                               f"host copy; the default on a GPU)")
+    on = raw == "1" or (raw == "" and not cuda)
+    return on and bool(spec) and bool(asynchronous) and str(pd or "null") == "null"
 
 
 def _overlap_args(args, spec: str | None, cpu: bool = False, pd: str = "null") -> None:

@@ -243,19 +243,22 @@ def test_overlap_with_a_draft_by_algorithm_and_variable(monkeypatch):
 
 def test_record_lengths_by_draft_predictor_pd_and_variable(monkeypatch):
     """Host lengths from the prediction record: with a draft, an asynchronous predictor and
-    outside PD, unless OASIS_RECORD_LENGTHS=0; any value but 0 / 1 is refused by name."""
+    outside PD; unset, on the CPU engine only; OASIS_RECORD_LENGTHS=0 / 1 turns it off / on;
+    any value but 0 / 1 is refused by name."""
     from oasis_sglang.config import OasisConfigError
     from oasis_sglang.sglang_glue.server_args import record_lengths
 
     monkeypatch.delenv("OASIS_RECORD_LENGTHS", raising=False)
     assert record_lengths("EAGLE3", True) and record_lengths("ngram", True)
+    assert not record_lengths("EAGLE3", True, cuda=True), "unset: off on a GPU (not run there yet)"
     assert not record_lengths(None, True) and not record_lengths("", True)
     assert not record_lengths("EAGLE3", False), "current: synchronous, no record"
     assert not record_lengths("EAGLE3", True, "decode") and not record_lengths("EAGLE3", True, "prefill")
     monkeypatch.setenv("OASIS_RECORD_LENGTHS", "0")
-    assert not record_lengths("EAGLE3", True)
+    assert not record_lengths("EAGLE3", True) and not record_lengths("EAGLE3", True, cuda=True)
     monkeypatch.setenv("OASIS_RECORD_LENGTHS", "1")
-    assert record_lengths("EAGLE3", True)
+    assert record_lengths("EAGLE3", True) and record_lengths("EAGLE3", True, cuda=True)
+    assert not record_lengths("EAGLE3", True, "decode", cuda=True) and not record_lengths(None, True, cuda=True)
     monkeypatch.setenv("OASIS_RECORD_LENGTHS", "on")
     with pytest.raises(OasisConfigError, match="OASIS_RECORD_LENGTHS='on'"):
         record_lengths("EAGLE3", True)
