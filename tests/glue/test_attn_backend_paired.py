@@ -170,6 +170,32 @@ def test_a_replayed_paired_step_advances_the_host_record_by_the_decode_rows_cont
         be.init_forward_metadata_out_graph(view)
 
 
+def test_record_lengths_steps_without_sglangs_host_lengths_advance_as_with_them():
+    """``record_lengths`` (OASIS_RECORD_LENGTHS): a paired verify batch that carries no host copy
+    of its lengths (SGLang's overlapped spec worker when no backend asks for one) runs as one that
+    does: the eager step keeps the host record trusted and predicts the same contexts, and the
+    replay's bookkeeping advances the record by the decode rows' contexts, read from the record."""
+    be, eng, rtp, _, lens = _backend()
+    be.runtime.record_lengths = True
+    runner = SimpleNamespace(model_runner=SimpleNamespace(req_to_token_pool=rtp, is_draft_worker=False))
+    fb = _verify_batch(rtp, lens)
+    fb.seq_lens_cpu = None
+    assert can_run_graph_hook(True, runner, fb) is True, "the prefill's prediction gives each row's context"
+    be.init_forward_metadata(fb)                        # eager: host lists from the record, no device read
+    assert eng.step.rows_host == ROWS and eng.step.seq_host == [22, 31] and eng.record.trusted
+    _paired_step(be, eng, fb, _inputs(len(eng.sparse_layers), 2))
+    assert eng.record.host == {1: 23, 2: 32} and eng.record.seq[ROWS].tolist() == [23, 32]
+    view = SimpleNamespace(batch_size=4, num_padding=2, forward_mode=ForwardMode.TARGET_VERIFY,
+                           req_pool_indices=torch.tensor(ROWS + [0, 0]), seq_lens=torch.tensor([22, 31, 1, 1]),
+                           seq_lens_cpu=None)
+    be.init_forward_metadata_out_graph(view)            # the replay's bookkeeping
+    assert eng.last_batch == (ROWS, [23, 32]) and eng.record.host == {1: 24, 2: 33}
+    assert be.runtime.length_mismatches == 0
+    eng.record.forget([2])                              # a row the record does not know: no host lengths
+    with pytest.raises(RuntimeError, match="without the host lengths of its 2 rows"):
+        be.init_forward_metadata_out_graph(view)
+
+
 def test_a_capture_logs_nothing_and_an_eager_paired_step_logs_at_its_last_layer(caplog):
     be, eng, rtp, _, lens = _backend()
     be.log.interval = 1
