@@ -260,9 +260,9 @@ def write_timeline(events: list[tuple[str, object, float, float]], path: str | P
     w.writerow(["start_us", "dur_us", "stream", "group", "name"])
     for name, stream, s0, d in rows:
         w.writerow([f"{s0 - t0:.3f}", f"{d:.3f}", stream, group_of(name), name[:100]])
-    data = buf.getvalue().encode()
+    data = buf.getvalue().encode(errors="replace")      # (a trace may hold lone surrogates)
     path = Path(path)
-    path.write_bytes(gzip.compress(data) if path.suffix == ".gz" else data)
+    path.write_bytes(gzip.compress(data) if path.suffix.lower() == ".gz" else data)
     return len(rows)
 
 

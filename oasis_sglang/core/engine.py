@@ -153,6 +153,11 @@ class OasisSparseKV:
         # layer's ``decode_attention`` (one launch with the append); see ``write_kv``
         self._folds: list = [None] * L
         self._no_tensor = torch.empty(0, dtype=torch.int64)   # the device fields of a replay step (none)
+        # rows of replayed steps whose working set was predicted for another context than the
+        # step's (a host decision the device disproves; ``prepare_step_device``): device counter,
+        # zeroed at the first replay (captures' warm-up runs count garbage), read when reporting
+        self.replay_misses = torch.zeros((), dtype=torch.int64, device=self.device)
+        self._replay_misses_armed = False
         # a compact host tier: row -> the block of its last step's new token whose page has its
         # slots (``assign_write_pages``); pieces not written back for want of a free slot
         self._write_block: dict[int, int] = {}
@@ -994,6 +999,9 @@ class OasisSparseKV:
             raise ValueError("begin_decode_step: a replay needs rows_host and seq_lens_host (the real rows)")
         rows_l, seq_l = host_lists(rows_host, seq_lens_host, "begin_decode_step (replay)", self.ws.R, width)
         self._note_forward_stream()               # the replay runs on the caller's stream
+        if not self._replay_misses_armed:         # (after the captures' warm-up runs)
+            self.replay_misses.zero_()
+            self._replay_misses_armed = True
         self.pipe.join()
         if self.host_slots_d is not None and req_to_token is not None:
             self.assign_write_pages(rows_l, seq_l, req_to_token)
@@ -1036,6 +1044,13 @@ class OasisSparseKV:
         self._clock += 1
         if st.seq_offset:
             st.seq = st.seq_lens + st.seq_offset     # recorded: a replay offsets the replayed lengths
+        if st.mode is StepMode.CAPTURE and self.predictor.asynchronous:
+            # each replay checks the host's decision that every row was predicted for exactly
+            # this context (``can_replay``) against the device record, before layer 0 marks it
+            bad = self.record.seq[st.rows] != st.seq
+            if self.padding_row is not None:
+                bad &= st.rows != self.padding_row
+            self.replay_misses += bad.sum()
         st.seq_m1, st.seq_p1, st.clock_next = st.seq - 1, st.seq + 1, self._clock + 1
         if st.dense:
             self._dense_plan(st)

@@ -73,7 +73,7 @@ class PredictionRecord:
         host read of SGLang's lengths (``sglang_glue.batch_info.host_lengths``)."""
         if self.host is None:
             return None
-        out = [self.host.get(int(r)) for r in rows_host]
+        out = [None if r is None else self.host.get(int(r)) for r in rows_host]
         return None if any(x is None for x in out) else out
 
     def all_predicted_device(self, rows: torch.Tensor, seq: torch.Tensor) -> bool:

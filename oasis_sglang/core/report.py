@@ -10,12 +10,15 @@ ahead of the host; a sync there leaves the GPU idle while the host prepares the 
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
 from .devcopy import to_device
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from .engine import OasisSparseKV
@@ -30,6 +33,7 @@ class OasisStats:
     graph_steps: int = 0             # decode steps replayed from a CUDA graph (counted in decode_steps)
     dense_steps: int = 0             # eager steps on the dense path for short contexts (no selection)
     new_request_started: bool = False  # a prefill ran before the last decode step
+    replay_misses: int = 0           # rows of replayed steps predicted for another context (last report)
 
 
 @dataclass
@@ -75,7 +79,8 @@ def snapshot(eng: "OasisSparseKV", extra: dict[str, torch.Tensor] | None = None)
     if not eng.record.trusted:
         eng.record.confirm()                 # a host read, rare: only after a step without host rows
     dev = eng.device
-    parts = {"counters": eng.counters.sum(0), "violations": eng.ws.violations, "held": None, "context": None,
+    parts = {"counters": eng.counters.sum(0), "violations": eng.ws.violations,
+             "replay_misses": eng.replay_misses, "held": None, "context": None,
              "agreement": eng.stages.agreement, "record": eng.record.seq,
              "budget": eng.budget.blocks if eng.budget.enabled else None}
     context_host = None
@@ -135,6 +140,15 @@ def finish(eng: "OasisSparseKV", snap: ReportSnapshot) -> dict:
     vals, got, i = snap.packed.tolist(), {}, 0
     for k, n in snap.sizes.items():
         got[k], i = vals[i:i + n], i + n
+    (misses,) = got["replay_misses"]
+    if misses > eng.stats.replay_misses:
+        # the host replayed steps for rows whose working set was predicted for another context:
+        # its lengths or its record were wrong; the mirror is rebuilt from the device below
+        logger.error("OasisKV: %d rows of replayed decode steps had a working set predicted for another context "
+                     "than theirs (%d since start-up; the host's lengths or its record of predictions were wrong); "
+                     "the host record is rebuilt from the device", misses - eng.stats.replay_misses, misses)
+        eng.record.distrust()
+    eng.stats.replay_misses = max(eng.stats.replay_misses, misses)
     (violations,) = got["violations"]
     if violations:
         raise RuntimeError(f"OasisKV invariant: {violations} decoded token(s) found their block not resident")
@@ -163,6 +177,7 @@ def finish(eng: "OasisSparseKV", snap: ReportSnapshot) -> dict:
         "transfer_budget_bytes": eng.budget.bytes_for(got["budget"][0]) if "budget" in got else None,
         "agreement": [a / t if t else None for a, t in agree] if eng.cfg.measure_agreement else None,
         "prediction_check": "host" if checked else "device",
+        "replay_misses": misses,
     })
     r.update({k: got[k] for k in snap.extra})
     return r
@@ -181,7 +196,9 @@ def residency(eng: "OasisSparseKV") -> dict:
         budget_tokens, sparse_layers, working_set_bytes, summary_bytes, host_tier_bytes,
         decode_steps, hit_blocks, admitted_blocks, evicted_blocks, bytes_h2d, bytes_d2h,
         sync_steps, graph_steps, dense_steps, exposed_wait_ms, exposed_wait_timed, agreement,
-        prediction_check, transfer_budget_bytes`` (bytes a step may admit; ``None``: unlimited).
+        prediction_check, transfer_budget_bytes`` (bytes a step may admit; ``None``: unlimited),
+        ``replay_misses`` (rows of replayed steps whose working set the device record says was
+        predicted for another context than the step's; an error is logged when it grows).
     Raises:
         RuntimeError: a decoded token found its block not resident (``finish``).
     """

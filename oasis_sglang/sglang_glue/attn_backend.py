@@ -50,8 +50,9 @@ class OasisAttnBackend(WrappedBackend):
         ``overlap_utils.decide_needs_cpu_seq_lens``): False while the steps take their host
         lengths from the prediction record (``OasisRuntime.record_lengths``). Then SGLang's
         overlapped speculative worker does not wait for step ``t``'s verify to copy its lengths
-        to the host before it prepares and launches step ``t+1`` (``FutureMap.resolve_seq_lens_cpu``)."""
-        return not self.runtime.record_lengths
+        to the host before it prepares and launches step ``t+1`` (``FutureMap.resolve_seq_lens_cpu``).
+        True when the wrapped backend asks for them itself."""
+        return not self.runtime.record_lengths or bool(getattr(self.inner, "needs_cpu_seq_lens", True))
 
     # ---- SGLang's forward-metadata hooks: one decode step each ---------------------------
     def init_forward_metadata(self, forward_batch):
@@ -83,11 +84,12 @@ class OasisAttnBackend(WrappedBackend):
         if rows is None or len(rows) != B:   # scheduler_hooks.can_run_graph_hook refuses such a batch first
             raise RuntimeError(f"OasisKV: replaying a decode CUDA graph without the batch's {B} rows on the host")
         extra = 1 if mode.is_target_verify() else 0
-        self.log.maybe_log()           # about the steps before this one: their device work is queued
-        self.runtime.replay_dense = False
+        # (before the log line: its report may rebuild the record these lengths come from)
         seq = host_lengths(forward_batch, rows, extra, self.runtime)
         if seq is None:                # (can_run_graph_hook refuses such a batch first)
             raise RuntimeError(f"OasisKV: replaying a decode CUDA graph without the host lengths of its {B} rows")
+        self.log.maybe_log()           # about the steps before this one: their device work is queued
+        self.runtime.replay_dense = False
         st = self.engine.begin_decode_step(forward_batch.req_pool_indices, forward_batch.seq_lens,
                                            self.req_to_token_pool.req_to_token, mode=StepMode.REPLAY, rows_host=rows,
                                            seq_lens_host=seq)

@@ -20,7 +20,8 @@ def max_seq_len(forward_batch) -> int | None:
     return int(cpu.max()) if cpu is not None and cpu.numel() else None
 
 
-_MISMATCH_LOGGED = 5     # length mismatches logged as errors (then only counted)
+_MISMATCH_LOGGED = 5     # batches whose lengths differed, logged as errors (then only counted)
+_mismatch_events = 0
 
 
 def host_lengths(forward_batch, rows: list[int], extra: int, runtime=None) -> list[int] | None:
@@ -41,16 +42,20 @@ def host_lengths(forward_batch, rows: list[int], extra: int, runtime=None) -> li
             batch's padding follows them).
         extra: tokens added to every length (1 for the paired verify pass's decode row).
     """
+    global _mismatch_events
     B = len(rows)
     cpu = getattr(forward_batch, "seq_lens_cpu", None)
     truth = None if cpu is None or len(cpu) < B else (cpu[:B] + extra).tolist()
-    rec = runtime.engine.record.lengths_host(rows) if runtime is not None and runtime.record_lengths else None
+    eng = None if runtime is None else runtime.engine
+    rec = eng.record.lengths_host(rows) if eng is not None and runtime.record_lengths \
+        and eng.predictor.asynchronous else None      # (a synchronous predictor keeps no record per step)
     if rec is None:
         return truth
     if truth is not None and truth != rec:
         bad = [(r, a, b) for r, a, b in zip(rows, rec, truth) if a != b]
         runtime.length_mismatches += len(bad)
-        if runtime.length_mismatches - len(bad) < _MISMATCH_LOGGED:
+        _mismatch_events += 1
+        if _mismatch_events <= _MISMATCH_LOGGED:
             logger.error("OasisKV: the prediction record's lengths differ from SGLang's for %d of %d rows (row, "
                          "record, SGLang: %s); SGLang's are used and the record's host mirror is rebuilt",
                          len(bad), B, bad[:4])

@@ -89,14 +89,13 @@ def init_attention_backends_hook(result, model_runner, *args, **kwargs):
                            padding_row=0, compute_dtype=compute_dtype, host_slots=host_slots)
     engine.bench = BenchHooks.from_env()
     runtime = OasisRuntime(engine)
-    cuda = torch.device(model_runner.device).type == "cuda"
-    runtime.record_lengths = record_lengths(algo, engine.predictor.asynchronous, pd, cuda)
+    accel = torch.device(model_runner.device).type != "cpu"
+    runtime.record_lengths = record_lengths(algo, engine.predictor.asynchronous, pd, accel)
     if first and runtime.record_lengths:
         logger.info("OasisKV: decode steps take their host lengths from the prediction record (the %s draft is "
-                    "never accepted: one token a step)%s (OASIS_RECORD_LENGTHS=0: SGLang's copy)", algo.upper(),
-                    "; SGLang copies no seq_lens to the host for them" if cuda else
-                    "; compared with SGLang's host copy every step")
-    elif first and algo and cuda and engine.predictor.asynchronous and pd == "null":
+                    "never accepted: one token a step); compared with SGLang's host copy where it makes one, and "
+                    "on the device at each replay (OASIS_RECORD_LENGTHS=0: SGLang's copy)", algo.upper())
+    elif first and algo and accel and engine.predictor.asynchronous and pd == "null":
         logger.info("OasisKV: decode steps take SGLang's host copy of their lengths, which its overlapped speculative "
                     "worker waits for a step's verify to publish; OASIS_RECORD_LENGTHS=1 takes them from the "
                     "prediction record instead (not run on a GPU yet)")

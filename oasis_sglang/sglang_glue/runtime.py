@@ -28,7 +28,9 @@ class OasisRuntime:
             Set with a draft that is never accepted (``install``; ``server_args.record_lengths``:
             on for the CPU engine, on a GPU only with ``OASIS_RECORD_LENGTHS=1``).
         length_mismatches: rows whose record length differed from SGLang's host length where
-            the batch carried both (each one logged as an error; the record is then rebuilt).
+            the batch carried both (the first batches logged as errors; the record's host
+            mirror is then rebuilt). Where SGLang carries none, each replay compares the record
+            on the device (``OasisSparseKV.replay_misses``, checked at each report).
     """
 
     engine: object

@@ -308,11 +308,11 @@ def spec_overlap(spec: str | None, pd: str = "null") -> tuple[bool, bool]:
     return spec in SPEC_OVERLAP_ALGORITHMS and pd == "null", False
 
 
-def record_lengths(spec: str | None, asynchronous: bool, pd: str = "null", cuda: bool = False) -> bool:
+def record_lengths(spec: str | None, asynchronous: bool, pd: str = "null", accel: bool = False) -> bool:
     """Whether decode steps take their host lengths from OasisKV's prediction record instead
     of SGLang's host copy of ``seq_lens`` (``OasisRuntime.record_lengths``), by
     ``OASIS_RECORD_LENGTHS`` (``"0"`` / ``"1"``; empty or unset: on for the CPU engine, off on
-    a GPU, where it has not run yet).
+    an accelerator (``accel``): it has not run on a GPU yet).
 
     Only with a draft (``spec``, any case; its drafts are never accepted, ``spec_probe``, so
     each step adds exactly one token per request and the record, advanced by one a step, holds
@@ -332,7 +332,7 @@ def record_lengths(spec: str | None, asynchronous: bool, pd: str = "null", cuda:
         raise OasisConfigError(f"OASIS_RECORD_LENGTHS={raw!r}: want 1 (decode steps with a draft take their host "
                                f"lengths from the prediction record; the default on the CPU engine) or 0 (SGLang's "
                                f"host copy; the default on a GPU)")
-    on = raw == "1" or (raw == "" and not cuda)
+    on = raw == "1" or (raw == "" and not accel)
     return on and bool(spec) and bool(asynchronous) and str(pd or "null") == "null"
 
 

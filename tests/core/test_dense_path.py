@@ -368,3 +368,36 @@ def test_switching_the_predictor_drops_the_dense_graphs(seed):
     eng.begin_decode_step(torch.tensor([0]), torch.tensor([1]), rt, mode="capture", dense=True)
     eng.begin_decode_step(torch.tensor([1]), torch.tensor([13]), rt, mode="replay", rows_host=[1], seq_lens_host=[13])
     assert eng.record.host == {1: 14} and int(eng.record.seq[1]) == 14, "recaptured: current marks again"
+
+
+def test_each_replay_checks_the_hosts_decision_on_the_device(seed, caplog):
+    """A replay's device work compares each real row's context with the context its working set
+    was predicted for (``replay_misses``; the padding row and the captures' warm-up runs do not
+    count). Correct replays leave it at 0; a replay the host decided on wrong lengths (what a
+    wrong host length from the prediction record would give) is counted, and the next report
+    logs it as an error and rebuilds the host record from the device."""
+    eng = _padded_engine(True, "previous")
+    _drive_graph(eng, {1: 40, 3: 9}, 12, torch.Generator().manual_seed(seed))
+    assert eng.stats.graph_steps > 0 and int(eng.replay_misses) == 0
+    assert eng.residency()["replay_misses"] == 0
+    eng = _padded_engine(False, "previous")
+    rt = torch.zeros(4, 512, dtype=torch.int32)
+    rt[1] = torch.arange(512, dtype=torch.int32)
+    pad = (torch.zeros(3, dtype=torch.long), torch.ones(3, dtype=torch.long))
+    eng.begin_decode_step(*pad, rt, mode="capture")
+    eng.prepare_step_device()
+    _prefill(eng, rt, 1, 0, 10, *({l: torch.randn(20, n, D) for l in (1, 2)} for n in (H, H, HQ)))
+    assert eng.record.host == {1: 11}
+    eng.begin_decode_step(torch.tensor([1]), torch.tensor([11]), rt, mode="replay", rows_host=[1], seq_lens_host=[11])
+    assert int(eng.replay_misses) == 0, "zeroed at the first replay, before its device work"
+    eng.begin_decode_step(torch.tensor([1, 0, 0]), torch.tensor([13, 1, 1]), rt, mode="capture")   # really 13
+    eng.prepare_step_device()
+    assert int(eng.replay_misses) == 1, "row 1 was predicted for 11; the padding rows do not count"
+    with caplog.at_level("ERROR"):
+        r = eng.residency()
+    assert r["replay_misses"] == 1 and "1 rows of replayed decode steps had a working set predicted" in caplog.text
+    assert eng.record.trusted and eng.record.host == {1: 11}, "rebuilt from the device record"
+    caplog.clear()
+    with caplog.at_level("ERROR"):
+        assert eng.residency()["replay_misses"] == 1
+    assert "replayed decode steps" not in caplog.text, "logged once"

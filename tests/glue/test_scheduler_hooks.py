@@ -208,10 +208,12 @@ def test_record_lengths_replay_a_verify_batch_without_sglangs_host_lengths(seed,
         _nocpu(_decode_batch([1, 2], seq, mode=ForwardMode.TARGET_VERIFY))  # noqa: E731
     assert can_run_graph_hook(True, runner, verify([20, 20], cpu=False)) is False, "flag off: no host lengths"
     backend = object.__new__(OasisAttnBackend)
-    backend.runtime = rt
+    backend.runtime, backend.inner = rt, SimpleNamespace(needs_cpu_seq_lens=False)   # (SGLang's triton backend)
     assert backend.needs_cpu_seq_lens is True
     rt.record_lengths = True
     assert backend.needs_cpu_seq_lens is False           # what SGLang's scheduler reads at start-up
+    backend.inner = SimpleNamespace()                    # a backend that does not say: SGLang's default, True
+    assert backend.needs_cpu_seq_lens is True, "the wrapped backend still gets SGLang's copy when it asks"
     assert can_run_graph_hook(True, runner, verify([20, 20], cpu=False)) is True
     assert host_lengths(verify([20, 20], cpu=False), [1, 2], 1, rt) == [21, 21]
     assert host_lengths(verify([20, 20]), [1, 2], 1, rt) == [21, 21] and rt.length_mismatches == 0
@@ -225,6 +227,8 @@ def test_record_lengths_replay_a_verify_batch_without_sglangs_host_lengths(seed,
     assert can_run_graph_hook(True, runner, verify([20, 20], cpu=False)) is False, "until the mirror is rebuilt"
     rt.engine.record.confirm()                           # (the next report rebuilds it from the device)
     assert can_run_graph_hook(True, runner, verify([20, 20], cpu=False)) is True
+    assert host_lengths(verify([20, 20]), [1, None], 1, rt) == [21, 21], "a row without a number: SGLang's"
+    assert rt.length_mismatches == 1
 
 
 def _nocpu(fb):

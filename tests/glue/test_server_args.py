@@ -250,15 +250,15 @@ def test_record_lengths_by_draft_predictor_pd_and_variable(monkeypatch):
 
     monkeypatch.delenv("OASIS_RECORD_LENGTHS", raising=False)
     assert record_lengths("EAGLE3", True) and record_lengths("ngram", True)
-    assert not record_lengths("EAGLE3", True, cuda=True), "unset: off on a GPU (not run there yet)"
+    assert not record_lengths("EAGLE3", True, accel=True), "unset: off on a GPU (not run there yet)"
     assert not record_lengths(None, True) and not record_lengths("", True)
     assert not record_lengths("EAGLE3", False), "current: synchronous, no record"
     assert not record_lengths("EAGLE3", True, "decode") and not record_lengths("EAGLE3", True, "prefill")
     monkeypatch.setenv("OASIS_RECORD_LENGTHS", "0")
-    assert not record_lengths("EAGLE3", True) and not record_lengths("EAGLE3", True, cuda=True)
+    assert not record_lengths("EAGLE3", True) and not record_lengths("EAGLE3", True, accel=True)
     monkeypatch.setenv("OASIS_RECORD_LENGTHS", "1")
-    assert record_lengths("EAGLE3", True) and record_lengths("EAGLE3", True, cuda=True)
-    assert not record_lengths("EAGLE3", True, "decode", cuda=True) and not record_lengths(None, True, cuda=True)
+    assert record_lengths("EAGLE3", True) and record_lengths("EAGLE3", True, accel=True)
+    assert not record_lengths("EAGLE3", True, "decode", accel=True) and not record_lengths(None, True, accel=True)
     monkeypatch.setenv("OASIS_RECORD_LENGTHS", "on")
     with pytest.raises(OasisConfigError, match="OASIS_RECORD_LENGTHS='on'"):
         record_lengths("EAGLE3", True)
