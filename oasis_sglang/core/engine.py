@@ -1044,7 +1044,8 @@ class OasisSparseKV:
         self._clock += 1
         if st.seq_offset:
             st.seq = st.seq_lens + st.seq_offset     # recorded: a replay offsets the replayed lengths
-        if st.mode is StepMode.CAPTURE and self.predictor.asynchronous:
+        if st.mode is StepMode.CAPTURE and self.predictor.asynchronous and not (
+                self.bench.assume_predicted or self.bench.skip_prefetch):
             # each replay checks the host's decision that every row was predicted for exactly
             # this context (``can_replay``) against the device record, before layer 0 marks it
             bad = self.record.seq[st.rows] != st.seq
