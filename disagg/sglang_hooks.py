@@ -121,9 +121,25 @@ def tp_mismatch(addr: str, prefill_tp, decode_tp) -> str | None:
             f"rank r: give both nodes the same --tp-size")
 
 
+def config_mismatch(addr: str, err: Exception) -> str | None:
+    """The error for a request whose prefill node SGLang found incompatible in its own checks
+    (``CommonKVManager.try_ensure_parallel_info``: page size, KV cache dtype), naming OasisKV's
+    key, or ``None`` for any other error. SGLang raises these inside the decode scheduler's
+    loop, which stops the whole decode node and leaves the request unanswered."""
+    msg = str(err)
+    if msg.startswith("Page size mismatch"):
+        return (f"OasisKV PD: block_size: the prefill node at {addr} and this decode node differ ({msg} With "
+                f"--kv-sparse oasis the page size is the config's block_size): give both nodes the same block_size")
+    if msg.startswith("KV cache dtype mismatch"):
+        return f"OasisKV PD: --kv-cache-dtype: the prefill node at {addr} and this decode node differ ({msg})"
+    return None
+
+
 def ensure_prefill_info_hook(original, self, addr_to_reqs, *args, **kwargs):
     """AROUND ``DecodePreallocQueue._ensure_prefill_info``: a request whose prefill node runs
-    another TP size fails here, with an error naming ``--tp-size`` (:func:`tp_mismatch`),
+    another TP size fails here, with an error naming ``--tp-size`` (:func:`tp_mismatch`), and
+    so does one whose prefill node SGLang's own checks refuse (another ``block_size`` or KV
+    cache dtype, :func:`config_mismatch`; SGLang would raise and stop this node),
     before SGLang registers this node's KV buffers with that node (``receiver.init`` ->
     ``_register_kv_args``, which would stop the prefill node's bootstrap thread on a transfer to
     host memory: it then serves nobody). It fails as SGLang fails a request whose prefill
@@ -134,16 +150,27 @@ def ensure_prefill_info_hook(original, self, addr_to_reqs, *args, **kwargs):
     address before SGLang's heartbeat dropped the old info, about 10 s, is not re-checked). TP
     rank 0 tells the prefill node's ranks (:func:`_notify_prefill_abort`, in a thread), which end
     their side at once; the prefill node serves everyone else throughout."""
-    ready, remaining = original(self, addr_to_reqs, *args, **kwargs)
-    if not ready or not isinstance(side(), DecodeSide):
-        return ready, remaining
+    if not isinstance(side(), DecodeSide):
+        return original(self, addr_to_reqs, *args, **kwargs)
+    ready, remaining, refused = {}, [], []
+    for addr, reqs in addr_to_reqs.items():     # one at a time: SGLang's loop raises for the first mismatch
+        try:
+            got, rest = original(self, {addr: reqs}, *args, **kwargs)
+        except RuntimeError as e:
+            why = config_mismatch(addr, e)
+            if why is None:
+                raise
+            refused.append((addr, reqs, why, None))
+            continue
+        ready.update(got)
+        remaining.extend(rest)
     mgr = self.kv_manager
     for addr in list(ready):
         info = getattr(mgr, "prefill_info_table", {}).get(addr)
         why = tp_mismatch(addr, getattr(info, "attn_tp_size", None), getattr(mgr, "attn_tp_size", None))
-        if why is None:
-            continue
-        reqs = ready.pop(addr)
+        if why is not None:
+            refused.append((addr, ready.pop(addr), why, info))
+    for addr, reqs, why, info in refused:
         # not cached: SGLang's fast path (``DecodePreallocQueue.add``) would start the next
         # request's transfer from the cached info; uncached, each one comes here
         lock = getattr(mgr, "connection_lock", None)
@@ -179,6 +206,16 @@ def _notify_prefill_abort(mgr, addr: str, info, rooms: list[int], why: str) -> N
     import requests
     from sglang.srt.disaggregation.common.conn import CommonKVReceiver
 
+    if info is None:                # (refused in SGLang's checks: its info was not kept)
+        try:
+            r = requests.get(f"http://{addr}/route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&"
+                             f"target_pp_rank=-1", timeout=5)
+            from types import SimpleNamespace
+            info = SimpleNamespace(**r.json()) if r.status_code == 200 else None
+        except Exception as e:  # noqa: BLE001 - best effort
+            logger.warning("OasisKV PD: the prefill node at %s did not give its ranks: %s", addr, e)
+        if info is None:
+            return
     sent = 0
     for dp in range(int(getattr(info, "dp_size", 1) or 1)):
         for tp in range(int(info.attn_tp_size)):

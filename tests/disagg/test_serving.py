@@ -819,3 +819,16 @@ def test_a_page_released_without_its_memory_given_back_is_given_back_by_its_next
     finally:
         ds.close()
         ps.close()
+
+
+def test_config_mismatch_names_the_oasis_key_for_sglangs_own_refusals():
+    """SGLang's checks of a prefill node's info raise RuntimeError in the decode scheduler's loop;
+    the hook turns the two it knows into a request error naming the key to change."""
+    from oasis_sglang.disagg.sglang_hooks import config_mismatch
+
+    why = config_mismatch("127.0.0.1:8998", RuntimeError(
+        "Page size mismatch: prefill server has page_size=8, but decode server has page_size=16. "
+        "Both servers must use the same --page-size value."))
+    assert why.startswith("OasisKV PD: block_size: the prefill node at 127.0.0.1:8998") and "page_size=8" in why
+    assert "--kv-cache-dtype" in config_mismatch("a:1", RuntimeError("KV cache dtype mismatch: prefill ..."))
+    assert config_mismatch("a:1", RuntimeError("PD decode DCP requires an MLA or hybrid-MLA KV pool.")) is None

@@ -25,11 +25,13 @@ pytestmark = pytest.mark.e2e
 PD = ["--disaggregation-transfer-backend", "nixl"]
 
 
-def start_router(prefill_url: str, bootstrap: int, decode_url: str, timeout: float = 600, retries: bool = True):
+def start_router(prefill_url: str, bootstrap: int, decode_url: str, timeout: float = 600, retries: bool = True,
+                 ready=lambda r: r.status_code == 200):
     """sglang-router in PD mode; returns ``(url, process)`` once a one-token request through it
-    answers 200 (its ``/health`` is 200 before it has registered the workers: "Router ready |
-    workers: []", and requests then get 503). ``retries=False``: ``--disable-retries`` (a failed
-    request's error reaches the client instead of the router sending it again)."""
+    gets an answer ``ready`` accepts (default: 200; its ``/health`` is 200 before it has
+    registered the workers: "Router ready | workers: []", and requests then get 503).
+    ``retries=False``: ``--disable-retries`` (a failed request's error reaches the client
+    instead of the router sending it again)."""
     port = free_port()
     log = open(OUT / "pd_router.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
@@ -50,7 +52,7 @@ def start_router(prefill_url: str, bootstrap: int, decode_url: str, timeout: flo
         try:
             r = requests.post(url + "/generate", json={"text": "Hi", "sampling_params": {"max_new_tokens": 1}},
                               timeout=300)
-            if r.status_code == 200:
+            if ready(r):
                 return url, proc
         except requests.RequestException:
             pass
