@@ -69,6 +69,16 @@ def init_attention_backends_hook(result, model_runner, *args, **kwargs):
     pd = str(getattr(sa, "disaggregation_mode", "null") or "null")
     # a PD decode node with pd_host_slots: a compact host tier of that many pieces (disagg/README.md)
     host_slots = cfg.pd_host_slots if pd == "decode" else None
+    if host_slots is not None:
+        need = (dims["num_layers"] - len(cfg.dense_layers)) * dims["head_num"] * cfg.budget_blocks
+        if host_slots < need:
+            # fewer pieces than one request's working set: its blocks could never all be read, and
+            # its decode steps would attend without them (wrong output, HTTP 200)
+            raise OasisConfigError(
+                f"kv_sparse_config: 'pd_host_slots' {host_slots} is below one request's working set on this rank: "
+                f"{need} pieces ({dims['num_layers'] - len(cfg.dense_layers)} sparse layers x {dims['head_num']} KV "
+                f"heads x {cfg.budget_blocks} blocks of budget_tokens); give at least that many per request decoding "
+                f"at once, or null (the whole host tier)")
     check_memory(cfg, OasisSparseKV.memory_plan(cfg, **dims, dtype_bytes=torch.empty((), dtype=pool.dtype).element_size(),
                                                 summary_dtype_bytes=torch.empty((), dtype=sdtype).element_size(),
                                                 host_slots=host_slots),

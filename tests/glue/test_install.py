@@ -203,3 +203,21 @@ def test_free_pages_include_sglangs_open_free_group():
     assert int(taken[0]) not in listed                                 # SGLang's lists: not yet
     a.free_group_end()
     assert set(free_pages_of(a).tolist()) == got == set(torch.cat([a.free_pages, a.release_pages]).tolist())
+
+
+def test_a_pd_decode_node_refuses_a_compact_pool_below_one_requests_working_set(model, restore_env):
+    """``pd_host_slots`` below one request's pieces (sparse layers x KV heads x budget blocks) on
+    a decode node: its blocks could never all be read and its steps would attend without them
+    (wrong text with HTTP 200, a breaker's finding): refused at start-up naming the key and the
+    minimum. (A prefill node, or no PD, ignores the key.)"""
+    sa = ServerArgs(model_path=model, device="cpu", kv_sparse="oasis", kv_sparse_config=(
+        '{"budget_tokens": 16, "block_size": 4, "dense_layers": [0], "pd_host_slots": 15}'))
+
+    class AsDecodeNode:                  # the same arguments on a PD decode node
+        def __getattr__(self, name):
+            return "decode" if name == "disaggregation_mode" else getattr(sa, name)
+
+    with pytest.raises(OasisConfigError, match=r"'pd_host_slots' 15 is below one request's working set on this rank: "
+                                               r"16 pieces \(2 sparse layers x 2 KV heads x 4 blocks"):
+        init_attention_backends_hook(None, _runner(AsDecodeNode()))
+    init_attention_backends_hook(None, _runner(sa))          # not a decode node: the key is not used
