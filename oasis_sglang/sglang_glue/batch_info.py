@@ -39,13 +39,15 @@ def host_lengths(forward_batch, rows: list[int], extra: int, runtime=None) -> li
 
     Args:
         rows: the batch's request rows (its first ``len(rows)`` lengths are used; a captured
-            batch's padding follows them).
+            batch's padding follows them). A host copy shorter than ``rows`` gives ``None``.
         extra: tokens added to every length (1 for the paired verify pass's decode row).
     """
     global _mismatch_events
     B = len(rows)
     cpu = getattr(forward_batch, "seq_lens_cpu", None)
-    truth = None if cpu is None or len(cpu) < B else (cpu[:B] + extra).tolist()
+    if cpu is not None and len(cpu) < B:
+        return None                  # a copy that does not cover the batch: trust neither source
+    truth = None if cpu is None else (cpu[:B] + extra).tolist()
     eng = None if runtime is None else runtime.engine
     rec = eng.record.lengths_host(rows) if eng is not None and runtime.record_lengths \
         and eng.predictor.asynchronous else None      # (a synchronous predictor keeps no record per step)
@@ -76,6 +78,9 @@ def host_rows(forward_batch, stashed: list[int] | None = None, extra: int = 0, r
     global _warned_host
     B = forward_batch.req_pool_indices.shape[0]
     rows = stashed if stashed is not None and len(stashed) == B else None
+    cpu = getattr(forward_batch, "seq_lens_cpu", None)
+    if cpu is not None and len(cpu) != B:         # (an eager batch is not padded: another batch's copy)
+        rows = None
     seq = None if rows is None else host_lengths(forward_batch, rows, extra, runtime)
     if rows is None or seq is None:
         if _warned_host < 5:

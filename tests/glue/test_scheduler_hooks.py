@@ -228,6 +228,13 @@ def test_record_lengths_replay_a_verify_batch_without_sglangs_host_lengths(seed,
     rt.engine.record.confirm()                           # (the next report rebuilds it from the device)
     assert can_run_graph_hook(True, runner, verify([20, 20], cpu=False)) is True
     assert host_lengths(verify([20, 20]), [1, None], 1, rt) == [21, 21], "a row without a number: SGLang's"
+    short = verify([20, 20])
+    short.seq_lens_cpu = torch.tensor([20])
+    assert host_lengths(short, [1, 2], 1, rt) is None, "a copy shorter than the batch: neither source"
+    from oasis_sglang.sglang_glue.batch_info import host_rows
+    long_ = verify([20, 20])
+    long_.seq_lens_cpu = torch.tensor([20, 20, 7])
+    assert host_rows(long_, [1, 2], 1, rt) == (None, None), "an eager batch's copy of another length"
     assert rt.length_mismatches == 1
 
 
