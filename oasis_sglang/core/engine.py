@@ -158,6 +158,9 @@ class OasisSparseKV:
         # zeroed at the first replay (captures' warm-up runs count garbage), read when reporting
         self.replay_misses = torch.zeros((), dtype=torch.int64, device=self.device)
         self._replay_misses_armed = False
+        # the check costs 6 small launches per captured step; the glue turns it on where a wrong
+        # host length is possible (host lengths from the prediction record, ``record_lengths``)
+        self.check_replays = False
         # a compact host tier: row -> the block of its last step's new token whose page has its
         # slots (``assign_write_pages``); pieces not written back for want of a free slot
         self._write_block: dict[int, int] = {}
@@ -1044,7 +1047,7 @@ class OasisSparseKV:
         self._clock += 1
         if st.seq_offset:
             st.seq = st.seq_lens + st.seq_offset     # recorded: a replay offsets the replayed lengths
-        if st.mode is StepMode.CAPTURE and self.predictor.asynchronous and not (
+        if st.mode is StepMode.CAPTURE and self.check_replays and self.predictor.asynchronous and not (
                 self.bench.assume_predicted or self.bench.skip_prefetch):
             # each replay checks the host's decision that every row was predicted for exactly
             # this context (``can_replay``) against the device record, before layer 0 marks it

@@ -101,6 +101,7 @@ def init_attention_backends_hook(result, model_runner, *args, **kwargs):
     runtime = OasisRuntime(engine)
     accel = torch.device(model_runner.device).type != "cpu"
     runtime.record_lengths = record_lengths(algo, engine.predictor.asynchronous, pd, accel)
+    engine.check_replays = runtime.record_lengths    # (the device check of each replay's host decision)
     if first and runtime.record_lengths:
         logger.info("OasisKV: decode steps take their host lengths from the prediction record (the %s draft is "
                     "never accepted: one token a step); compared with SGLang's host copy where it makes one, and "

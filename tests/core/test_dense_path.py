@@ -377,10 +377,12 @@ def test_each_replay_checks_the_hosts_decision_on_the_device(seed, caplog):
     wrong host length from the prediction record would give) is counted, and the next report
     logs it as an error and rebuilds the host record from the device."""
     eng = _padded_engine(True, "previous")
+    eng.check_replays = True
     _drive_graph(eng, {1: 40, 3: 9}, 12, torch.Generator().manual_seed(seed))
     assert eng.stats.graph_steps > 0 and int(eng.replay_misses) == 0
     assert eng.residency()["replay_misses"] == 0
     eng = _padded_engine(False, "previous")
+    eng.check_replays = True
     rt = torch.zeros(4, 512, dtype=torch.int32)
     rt[1] = torch.arange(512, dtype=torch.int32)
     pad = (torch.zeros(3, dtype=torch.long), torch.ones(3, dtype=torch.long))

@@ -5,7 +5,9 @@ host read of a device value would break the capture (and stall eager steps), so 
 a decode step of a sparse layer launches at most 13 kernels (10 per layer plus 5 per step shared by
 the layers since the fused plan / append / key-decode kernels, 141 before them; plus 2 per layer
 for the step transfer budget: its candidates and its share) and reads nothing back to the host,
-in graph mode and in eager steps that bring the batch's rows on the host.
+in graph mode and in eager steps that bring the batch's rows on the host. (The device check of each
+replay's host decision, ``OasisSparseKV.check_replays``, adds 6 launches per captured step; it is on
+only where host lengths come from the prediction record and is not counted here.)
 """
 
 import json
