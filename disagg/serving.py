@@ -107,7 +107,7 @@ import torch
 from ..core import host_tier
 from ..core.remote import RemoteBlocks
 from .admission import TAG_COLS, first_step_mask, first_step_width, plan_from_mask, request_pages, room_tag, round_outward
-from .transport import NixlTier, PeerLostError, RemoteBlockFetcher, TierLayout
+from .transport import NixlTier, PeerLostError, RemoteBlockFetcher, TierLayout, is_disconnect
 
 logger = logging.getLogger(__name__)
 
@@ -452,6 +452,7 @@ class DecodeSide:
     role = "decode"
 
     RETRY_S = 10.0        # a prefill node whose layout could not be had is asked again after this
+    RECHECK_S = 2.0       # a peer holding no request here is asked for its layout again after this
 
     def __init__(self, engine, pool, read_timeout_s: float, tp_rank: int = 0, lease_s: float = 60.0,
                  free_pages=None, tp_size: int = 1):
@@ -493,6 +494,12 @@ class DecodeSide:
         self.aborted = 0
         self.admission_bytes = self.full_transfer_bytes = 0       # over every admitted request
         self._failed: dict[tuple[str, int], tuple[float, str]] = {}   # (host, port) -> (retry after, why)
+        # prefill agents found gone by another thread (a renewal that NIXL answered with its
+        # remote-disconnect error), marked lost in the scheduler's thread (``take_down``)
+        self._down: dict[str, str] = {}
+        # prefill agent -> time.monotonic() its layout was last had from its bootstrap server
+        # (``peer_for`` asks again before admitting from a peer that holds no request here)
+        self._checked: dict[str, float] = {}
         self.lease_s = float(lease_s)
         # a row whose lease may have expired on its prefill node: no renewal for STALE of the
         # lease (a stopped process, renewals failing); its pages there may be another request's
@@ -518,26 +525,62 @@ class DecodeSide:
     # ---- peers ------------------------------------------------------------------------------
     def peer_for(self, host: str, port: int, tries: int = 3) -> str:
         """The NIXL agent of the prefill node behind bootstrap ``host:port`` (its layout fetched
-        from the bootstrap server once; runs in the decode scheduler's loop, so it gives up
-        within a few seconds and remembers a failure for ``RETRY_S``).
+        from the bootstrap server; runs in the decode scheduler's loop, so it gives up within a
+        few seconds and remembers a failure for ``RETRY_S``). A known peer that holds no request
+        here is asked again when its layout is older than ``RECHECK_S``: a prefill node
+        restarted on the same address is a new NIXL agent, and the old one, not read from since,
+        is not known to be gone (a peer holding requests is watched by their renewals).
 
         Raises:
             PeerLostError: no layout there (not an OasisKV prefill node, or unreachable), a
                 layout this node cannot read from (another block size, head count, layers),
                 or a lost node still backing requests being ended.
         """
+        self.take_down()
         key = (str(host), int(port))
         agent = self.peers.get(key)
-        if agent is not None and agent not in self.remote.lost:
+        if agent is not None and agent not in self.remote.lost and (
+                time.monotonic() - self._checked.get(agent, 0.0) < self.RECHECK_S or self._holds(agent)):
             return agent
         failed = self._failed.get(key)
         if failed is not None and time.monotonic() < failed[0]:
             raise PeerLostError(f"{key[0]}:{key[1]}", failed[1])
-        if agent is not None:               # lost: take it back (or a new node there) once its requests ended
+        if agent is not None and agent in self.remote.lost:   # take it back (or a new node there) once its requests ended
             if not self.remote.forget_lost(agent):
                 raise PeerLostError(agent, "lost; its requests are still being ended")
-            self.fetcher.remove_peer(agent)
-            del self.peers[key]
+            self._forget_peer(key, agent)
+            agent = None
+        lay = self._layout_at(key, tries)
+        if agent is not None:
+            if lay.agent == agent:
+                self._checked[agent] = time.monotonic()
+                return agent
+            logger.warning("OasisKV PD: the prefill node at %s:%d is a new process (NIXL agent %s, was %s)",
+                           key[0], key[1], lay.agent, agent)
+            self._forget_peer(key, agent)
+        try:
+            return self.add_peer(key, lay)
+        except Exception as e:  # noqa: BLE001 - a layout we cannot use: no retry helps
+            why = (f"no usable OasisKV host tier at its bootstrap server (unusable host tier layout: "
+                   f"{type(e).__name__}: {e}); run the prefill node with --kv-sparse oasis and the same "
+                   "--kv-sparse-config")
+            self._failed[key] = (time.monotonic() + self.RETRY_S, why)
+            raise PeerLostError(f"{key[0]}:{key[1]}", why) from None
+
+    def _forget_peer(self, key: tuple[str, int], agent: str) -> None:
+        self.fetcher.remove_peer(agent)
+        self._checked.pop(agent, None)
+        self.peers.pop(key, None)
+
+    def _holds(self, agent: str) -> bool:
+        """Whether a request admitted from ``agent`` is held here."""
+        with self._rows_lock:
+            return any(a.peer == agent for a in self.rows.values())
+
+    def _layout_at(self, key: tuple[str, int], tries: int) -> TierLayout:
+        """The host tier layout the bootstrap server at ``key`` = ``(host, port)`` serves
+        (``tries`` HTTP GETs of 2 s at most). Raises PeerLostError, remembered for ``RETRY_S``:
+        none there, or a malformed one."""
         import requests
 
         h = connect_host(key[0])
@@ -552,8 +595,7 @@ class DecodeSide:
                 continue
             if r.status_code == 200:
                 try:
-                    lay = TierLayout.from_bytes(base64.b64decode(r.json()["layout"], validate=True))
-                    return self.add_peer(key, lay)
+                    return TierLayout.from_bytes(base64.b64decode(r.json()["layout"], validate=True))
                 except Exception as e:  # noqa: BLE001 - a layout we cannot use: no retry helps
                     why = f"unusable host tier layout: {type(e).__name__}: {e}"
                     break
@@ -574,6 +616,7 @@ class DecodeSide:
         (``RemoteBlockFetcher.add_peer``)."""
         agent = self.fetcher.add_peer(lay)
         self.peers[key] = agent
+        self._checked[agent] = time.monotonic()
         if lay.lease_s > 0:
             self.peer_lease[agent] = lay.lease_s
             if lay.lease_s != self.lease_s:
@@ -622,6 +665,8 @@ class DecodeSide:
         try:
             agent.send_notif(adm.peer, RENEW + str(adm.room).encode())
         except Exception as e:  # noqa: BLE001 - the next read from that peer decides whether it is lost
+            if is_disconnect(e):
+                self.peer_down(adm.peer, f"renewing a lease: {type(e).__name__}: {e}")
             logger.warning("OasisKV PD: renewing the lease of request %s failed: %s", adm.rid, e)
             adm.retry = True
             return 0
@@ -629,6 +674,43 @@ class DecodeSide:
         with self._rows_lock:
             self.renewals += 1
         return 1
+
+    def peer_down(self, agent: str, why: str) -> None:
+        """Any thread: the prefill node of NIXL agent ``agent`` is gone (NIXL answered a
+        notification to it with its remote-disconnect error). Its requests end with an error
+        before the next batch, whether or not they would read from it again (the scheduler's
+        thread marks it lost: :meth:`take_down`, called by :meth:`cut_off_stale`)."""
+        with self._rows_lock:
+            self._down.setdefault(agent, why)
+
+    def take_down(self) -> dict[str, str]:
+        """Scheduler's thread: mark lost the peers :meth:`peer_down` reported
+        (``RemoteBlocks.lost``: their pieces are no longer read, :meth:`lost_rows` ends their
+        requests). Returns them -> why."""
+        if not self._down:
+            return {}
+        with self._rows_lock:
+            down, self._down = self._down, {}
+        for agent, why in down.items():
+            if agent in self.fetcher.peers and agent not in self.remote.lost:
+                self.remote.lost[agent] = why
+                logger.error("OasisKV PD: prefill node %s lost (%s): its requests end", agent, why)
+        return down
+
+    def probe(self, key: tuple[str, int]) -> tuple[int, int]:
+        """Any thread (``sglang_hooks.node_failure_hook``: SGLang's heartbeat found the bootstrap
+        server at ``key`` = ``(host, port)`` down): renew now every lease held there, so that a
+        process that is gone is found at once (:meth:`peer_down`) while one that only stalled is
+        not (its leases decide: :meth:`check_stale`); a peer that holds nothing is asked for its
+        layout again before it is used (:meth:`peer_for`). Returns ``(requests held there,
+        renewals sent)``."""
+        agent = self.peers.get((str(key[0]), int(key[1])))
+        if agent is None or self.tier.closed:
+            return 0, 0
+        self._checked[agent] = float("-inf")
+        with self._rows_lock:
+            held = [a for r, a in self.rows.items() if a.peer == agent and r not in self.stale]
+        return len(held), sum(self._renew_one(a) for a in held)
 
     STALE = 0.9
 
@@ -659,7 +741,9 @@ class DecodeSide:
         """Scheduler's thread, before a batch: start no more reads of the pages of stale rows
         (``RemoteBlocks.cut_off``; SGLang still runs an ending request's last forward, which must
         not read pages that may be another request's; reads already in flight land in the
-        request's own pages). Returns the stale rows -> why."""
+        request's own pages); peers found gone meanwhile are marked lost first (:meth:`take_down`).
+        Returns the stale rows -> why."""
+        self.take_down()
         stale = self.check_stale()
         for r in stale:
             adm = self.rows.get(r)

@@ -195,6 +195,31 @@ def ensure_prefill_info_hook(original, self, addr_to_reqs, *args, **kwargs):
     return ready, remaining
 
 
+def node_failure_hook(result, self, failed_bootstrap_addr, *args, **kwargs):
+    """AFTER ``CommonKVManager._handle_node_failure`` on an OasisKV decode node: SGLang's
+    heartbeat found a prefill node's bootstrap server down (``SGLANG_DISAGGREGATION_HEARTBEAT_*``:
+    by default two failed checks 5 s apart) and failed the requests it had not transferred yet.
+    Those it had are decoding here from that node's pages: :meth:`DecodeSide.probe` renews their
+    leases at once, so a process that is gone ends them within about the heartbeat's time
+    instead of when their leases turn stale (0.9 x ``pd_lease_s``), and a node restarted there is
+    asked for its new NIXL agent before the next admission from it."""
+    s = side()
+    if not isinstance(s, DecodeSide):
+        return result
+    from sglang.srt.utils.network import NetworkAddress
+
+    for host, port in list(s.peers):
+        try:
+            same = NetworkAddress(host, int(port)).to_host_port_str() == str(failed_bootstrap_addr)
+        except Exception:  # noqa: BLE001 - an address SGLang cannot format is not this one
+            same = False
+        if same:
+            held, sent = s.probe((host, port))
+            logger.info("OasisKV PD: SGLang lost prefill node %s: renewing the leases of its %d request(s) here now "
+                        "(%d sent) to find out whether its process is gone", failed_bootstrap_addr, held, sent)
+    return result
+
+
 def _notify_prefill_abort(mgr, addr: str, info, rooms: list[int], why: str) -> None:
     """Tell every rank of the prefill node at ``addr`` that ``rooms`` were refused (SGLang's
     decode-to-prefill ``ABORT`` message, ``CommonKVReceiver._send_abort_notification``), so it

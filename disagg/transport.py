@@ -49,6 +49,12 @@ class PeerLostError(RuntimeError):
         self.peer, self.why = peer, why
 
 
+def is_disconnect(e: BaseException) -> bool:
+    """Whether NIXL raised ``e`` because the remote agent is gone (``nixlRemoteDisconnectError``,
+    ``NIXL_ERR_REMOTE_DISCONNECT``: its process ended), not for a passing failure."""
+    return type(e).__name__ == "nixlRemoteDisconnectError" or "NIXL_ERR_REMOTE_DISCONNECT" in str(e)
+
+
 @dataclass(frozen=True)
 class TierLayout:
     """What a peer needs to READ from a host tier: NIXL agent name and metadata, and per sparse

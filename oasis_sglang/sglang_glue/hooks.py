@@ -126,6 +126,10 @@ HOOKS: tuple[Hook, ...] = (
          "oasis_sglang.disagg.sglang_hooks:ensure_prefill_info_hook",
          "refuse a prefill node of another --tp-size before SGLang registers this node's KV buffers there (0.5.17's NIXL "
          "fails in the prefill's bootstrap thread on a mixed-TP transfer to host memory, stopping that node)"),
+    Hook("sglang.srt.disaggregation.common.conn.CommonKVManager._handle_node_failure", "AFTER",
+         "oasis_sglang.disagg.sglang_hooks:node_failure_hook",
+         "a prefill node SGLang's heartbeat lost: the requests it transferred, decoding here, end at once if its "
+         "process is gone (SGLang fails only those not transferred yet)"),
     Hook("sglang.srt.disaggregation.nixl.conn.NixlKVManager._handle_abort_notification", "AROUND",
          "oasis_sglang.disagg.sglang_hooks:abort_notification_hook",
          "a request a decode node refused (e.g. another --tp-size) ends on the prefill node with the decode node's reason"),

@@ -69,6 +69,10 @@ def init_attention_backends_hook(result, model_runner, *args, **kwargs):
     pd = str(getattr(sa, "disaggregation_mode", "null") or "null")
     # a PD decode node with pd_host_slots: a compact host tier of that many pieces (disagg/README.md)
     host_slots = cfg.pd_host_slots if pd == "decode" else None
+    if first and cfg.pd_host_slots is not None and pd != "decode":
+        logger.warning("OasisKV: kv_sparse_config 'pd_host_slots' %d is ignored: it sizes a PD decode node's host "
+                       "tier, and this server runs --disaggregation-mode %s (its host tier holds every block)",
+                       cfg.pd_host_slots, pd)
     if host_slots is not None:
         need = (dims["num_layers"] - len(cfg.dense_layers)) * dims["head_num"] * cfg.budget_blocks
         if host_slots < need:

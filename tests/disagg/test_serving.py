@@ -832,3 +832,91 @@ def test_config_mismatch_names_the_oasis_key_for_sglangs_own_refusals():
     assert why.startswith("OasisKV PD: block_size: the prefill node at 127.0.0.1:8998") and "page_size=8" in why
     assert "--kv-cache-dtype" in config_mismatch("a:1", RuntimeError("KV cache dtype mismatch: prefill ..."))
     assert config_mismatch("a:1", RuntimeError("PD decode DCP requires an MLA or hybrid-MLA KV pool.")) is None
+
+
+def test_a_renewal_to_a_gone_prefill_process_ends_its_requests_before_the_next_batch(sides):
+    """A prefill node whose NIXL agent ended (its process died): the next renewal of a lease
+    there fails with NIXL's remote-disconnect error, and the scheduler's check before the next
+    batch marks the peer lost (its rows end), long before the lease would turn stale; a
+    renewal that fails for another reason is only retried."""
+    pf, dc, ps, ds, dpool = sides
+    peer = ds.peers[("prefill-host", 1)]
+    now = lease_clock()
+    ds.rows[5] = Admitted(torch.tensor([0]), peer, 3, "r", renewed=now)
+    ps.close()                                           # the agent ends, as with its process
+    for _ in range(100):                                 # UCX notices the disconnect within moments
+        ds.rows[5].renewed = lease_clock()
+        if ds._renew_one(ds.rows[5]) == 0 and ds._down:
+            break
+        time.sleep(0.05)
+    assert ds._down and peer in ds._down and "renewing a lease" in ds._down[peer], ds._down
+    assert peer not in ds.remote.lost, "marked in the scheduler's thread, not the renewal thread"
+    assert ds.cut_off_stale() == {} and peer in ds.remote.lost and not ds._down
+    assert list(ds.lost_rows()) == [5] and not ds.stale
+    ds.rows.clear()
+    ds.remote.lost.pop(peer)
+
+
+def test_a_renewal_failing_otherwise_is_retried_not_taken_as_a_lost_node(sides):
+    _, _, _, ds, _ = sides
+    ds.rows[5] = Admitted(torch.tensor([0]), "no-such-agent", 3, "r", renewed=lease_clock())
+    assert ds._renew_one(ds.rows[5]) == 0 and ds.rows[5].retry
+    assert not ds._down and ds.cut_off_stale() == {} and not ds.remote.lost
+    ds.rows.clear()
+
+
+def test_a_prefill_node_restarted_on_the_same_address_is_read_from_its_new_process(seed):
+    """The decode node knows the prefill node at a bootstrap address by its NIXL agent; a new
+    process there (a restart) is another agent. A known peer that holds no request here is
+    asked for its layout again (after ``RECHECK_S``) before a request is admitted from it, so
+    the first request after a restart reads from the new process; a peer holding requests is
+    not asked (their renewals watch it)."""
+    import http.server
+    import json
+    import threading
+
+    from oasis_sglang.disagg.serving import TIER_ROUTE
+
+    pf, dc = engine(budget=256), engine(budget=256)
+    ps1, ps2 = PrefillSide(pf, lease_s=600), PrefillSide(engine(budget=256), lease_s=600)
+    ds = DecodeSide(dc, pool_of(dc), read_timeout_s=5, lease_s=600)
+    serving = {"ps": ps1}
+    asked = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):                                # noqa: N802 - http.server's name
+            asked.append(self.path)
+            body = json.dumps({"layout": serving["ps"].layout_b64()}).encode()
+            self.send_response(200 if self.path.startswith(TIER_ROUTE) else 404)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *a):
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    port = srv.server_address[1]
+    try:
+        a1 = ds.peer_for("127.0.0.1", port)
+        assert a1 == ps1.tier.name and len(asked) == 1
+        assert ds.peer_for("127.0.0.1", port) == a1 and len(asked) == 1, "known and recent: not asked again"
+        ds.RECHECK_S = 0.0
+        assert ds.peer_for("127.0.0.1", port) == a1 and len(asked) == 2, "idle: asked, the same process"
+        ds.rows[4] = Admitted(torch.tensor([0]), a1, 3, "r", renewed=lease_clock())
+        serving["ps"] = ps2                              # a restart there: another agent
+        assert ds.peer_for("127.0.0.1", port) == a1 and len(asked) == 2, "holding a request: not asked"
+        ds.rows.clear()
+        a2 = ds.peer_for("127.0.0.1", port)
+        assert a2 == ps2.tier.name != a1 and len(asked) == 3
+        assert a1 not in ds.fetcher.peers and a2 in ds.fetcher.peers
+        assert ds.peers == {("127.0.0.1", port): a2}
+        ds.RECHECK_S = 60.0
+        assert ds.probe(("127.0.0.1", port)) == (0, 0)   # SGLang's heartbeat lost it: asked before the next use
+        assert ds.peer_for("127.0.0.1", port) == a2 and len(asked) == 4
+    finally:
+        srv.shutdown()
+        ds.close()
+        ps1.close()
+        ps2.close()

@@ -327,10 +327,42 @@ def kill_prefill_mid_decode(tok, pd) -> int:
     return mark
 
 
+def _restart_prefill(pd, suffix: str) -> None:
+    """A new prefill node on the same ports (the router knows that URL and bootstrap port)."""
+    port = int(pd.pf.url.rsplit(":", 1)[1])
+    pd.pf.stop()
+    for _ in range(60):
+        try:
+            check_port_free(port)
+            break
+        except OSError:
+            time.sleep(2)
+    pd.pf = pd.start_prefill(port=port, suffix=suffix)
+
+
+def _first_request_is_served(pd) -> None:
+    """The first request after a prefill restart that the router sends on is served (the decode
+    node reads from the new process, not from the old one's NIXL agent it knew)."""
+    mark = len(pd.dc.log())
+    t0 = time.time()
+    while True:         # the router sends nothing to the new node until its health check passes
+        r = requests.post(pd.url + "/generate", json={"text": "Hello", "sampling_params": {"max_new_tokens": 4}},
+                          timeout=300)
+        if r.status_code != 503 or "server_selection_failed" not in r.text or time.time() - t0 > 300:
+            break
+        time.sleep(2)
+    assert r.status_code == 200, r.text
+    log = pd.dc.log()[mark:]
+    assert "cannot be admitted" not in log and "prefill node was lost" not in log, log[-3000:]
+
+
 def test_prefill_killed_mid_decode(model, tok, pd):
     """Kill the prefill process while the decode node still reads blocks from it: the request
     ends with an error in bounded time, the decode node stays healthy and serves the next
-    request from a restarted prefill node."""
+    request from a restarted prefill node. Then kill that one while its request reads nothing
+    more (its context fits the budget): the renewal of its lease finds the process gone (NIXL's
+    remote-disconnect error) and ends it, long before the lease would turn stale; and kill the
+    next one while it serves nothing: the first request after its restart is served."""
     mark = kill_prefill_mid_decode(tok, pd)
     assert "its prefill node was lost" in pd.dc.log()[mark:]
     assert requests.get(pd.dc.url + "/health", timeout=30).status_code == 200
@@ -339,25 +371,40 @@ def test_prefill_killed_mid_decode(model, tok, pd):
     rel = RELEASED.findall(pd.dc.log()[mark:])
     assert rel and rel[-1][4] == "0", rel
     assert "leak" not in pd.dc.log().lower()
-    # a new prefill node on the same ports (the router knows that URL and bootstrap port)
-    port = int(pd.pf.url.rsplit(":", 1)[1])
-    for _ in range(60):
-        try:
-            check_port_free(port)
-            break
-        except OSError:
-            time.sleep(2)
-    pd.pf = pd.start_prefill(port=port, suffix="_restarted")
-    ok = None
-    t0 = time.time()
-    while time.time() - t0 < 300:
-        r = requests.post(pd.url + "/generate", json={"text": "Hello", "sampling_params": {"max_new_tokens": 4}},
-                          timeout=300)
-        if r.status_code == 200:
-            ok = r
-            break
-        time.sleep(3)
-    assert ok is not None, "no request served after the prefill node restarted"
+    _restart_prefill(pd, "_restarted")
+    _first_request_is_served(pd)
+
+    # a request that reads nothing after its first step (a short prompt, budget 512)
+    body = {"model": "m", "messages": [{"role": "user", "content": "Count from one to one thousand."}],
+            "max_tokens": 4000, "temperature": 0, "ignore_eos": True}
+    mark = len(pd.dc.log())
+    with cf.ThreadPoolExecutor(1) as ex:
+        fut = ex.submit(lambda: requests.post(pd.url + "/v1/chat/completions", json=body, timeout=600))
+        t0 = time.time()
+        while "OasisKV PD: admitted request" not in pd.dc.log()[mark:]:
+            assert not fut.done(), fut.result().text
+            assert time.time() - t0 < 300, "the decode node did not admit the request in 300 s"
+            time.sleep(0.5)
+        time.sleep(2)                    # decoding, nothing left to read
+        pd.pf.stop()
+        t_kill = time.time()
+        r = fut.result(timeout=300)
+        ended = time.time() - t_kill
+    assert r.status_code != 200 or "error" in r.text.lower() or r.json()["choices"][0]["finish_reason"] == "abort", \
+        r.text[:2000]
+    log = pd.dc.log()[mark:]
+    assert "lost (renewing a lease:" in log and "its prefill node was lost" in log, log[-3000:]
+    assert "last renewed" not in log, "ended by its lease turning stale, not by the failed renewal"
+    assert ended < 0.9 * CFG["pd_lease_s"] + 5, ended
+    assert requests.get(pd.dc.url + "/health", timeout=30).status_code == 200
+    _restart_prefill(pd, "_restarted2")
+    _first_request_is_served(pd)
+
+    # an idle prefill node restarted: the decode node read nothing from the old process since
+    _restart_prefill(pd, "_restarted3")
+    _first_request_is_served(pd)
+    assert "is a new process" in pd.dc.log()
+    assert "leak" not in pd.dc.log().lower()
 
 
 def _post_quietly(url, body):
