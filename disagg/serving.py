@@ -912,7 +912,7 @@ class DecodeSide:
             how = "selected here (read on demand)"
         logger.info("OasisKV PD: admitted request %s from %s: %d prompt tokens, %.2f MiB at admission (dense "
                     "layers, summaries, page numbers, first-step masks%s%s) vs %.2f MiB for a full transfer "
-                    "(%.2fx less); first step's working set: %s; read on demand so far: %.2f MiB in %d NIXL "
+                    "(%.2fx less); first step's working set: %s; read on demand since start-up: %.2f MiB in %d NIXL "
                     "reads", p.rid, p.peer, p.prompt_len, sent / mib, ", draft model's KV" if draft else "",
                     ", first step's blocks" if first_bytes else "", p.full / mib, p.full / sent, how,
                     *self._on_demand())
@@ -1042,7 +1042,7 @@ class DecodeSide:
                 self.held_bytes_total += held
                 self.whole_bytes_total += whole
                 mib = 2 ** 20
-                less = f"{whole / held:.2f}x less" if held else "none held"
+                less = "none held" if not held else "all of it" if held >= whole else f"{whole / held:.2f}x less"
                 left = len(self.rows) - 1
                 # the tier's resident memory (mincore over the whole tier: ~1 s for a large one) only once idle;
                 # a compact tier: its pool's slots in use
@@ -1055,7 +1055,7 @@ class DecodeSide:
                     res = "-" if left else f"{self._sweep_idle() / mib:.2f} MiB"
                 logger.info("OasisKV PD: released request %s: its sparse layers' KV in this node's host tier %.2f MiB "
                             "(blocks read on demand or decoded here) vs %.2f MiB allocated whole (%s); host "
-                            "tier resident %s, requests from prefill nodes held: %d; read on demand so far: %.2f "
+                            "tier resident %s, requests from prefill nodes held: %d; read on demand since start-up: %.2f "
                             "MiB in %d NIXL reads, %d pieces of them left out of a plan first (pd_read_mode "
                             "deferred); starting reads between steps: %.3f ms per step (%.3f ms of it reading "
                             "the plans' counts, %.3f ms marking ended reads' pieces present)", adm.rid, held / mib,

@@ -40,7 +40,7 @@ from pathlib import Path
 ADMITTED = re.compile(r"OasisKV PD: admitted request (\S+) from \S+: (\d+) prompt tokens, ([\d.]+) MiB at admission "
                       r".* vs ([\d.]+) MiB for a full transfer \(([\d.]+)x less\)")
 RELEASED = re.compile(r"OasisKV PD: released request (\S+): its sparse layers' KV in this node's host tier ([\d.]+) MiB "
-                      r".* vs ([\d.]+) MiB allocated whole \((?:([\d.]+)x less|none held)\); host tier resident "
+                      r".* vs ([\d.]+) MiB allocated whole \((?:([\d.]+)x less|none held|all of it)\); host tier resident "
                       r"([\d.]+ MiB|-)")
 READ = re.compile(r"read on demand so far: ([\d.]+) MiB in (\d+) NIXL reads")
 # the third figure (marking ended reads' pieces present): release lines of 2026-12-04 on

@@ -61,7 +61,7 @@ pytestmark = pytest.mark.e2e
 CFG = {**NEEDLE_CFG, "pd_read_timeout_s": 5.0, "pd_lease_s": 15.0}
 RETRACT_EVERY = 16
 RELEASED = re.compile(r"OasisKV PD: released request \S+: its sparse layers' KV in this node's host tier ([\d.]+) MiB "
-                      r".* vs ([\d.]+) MiB allocated whole \((?:([\d.]+)x less|none held)\); host tier resident "
+                      r".* vs ([\d.]+) MiB allocated whole \((?:([\d.]+)x less|none held|all of it)\); host tier resident "
                       r"([\d.]+ MiB|-), requests from prefill nodes held: (\d+)")
 PLANNED = re.compile(r"OasisKV PD: admitted request \S+ from \S+: (\d+) prompt tokens, .* first step's working set: "
                      r"its (\d+) prompt block pieces \(sparse layer x KV head x block\) planned on the prefill node")
