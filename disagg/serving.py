@@ -1075,7 +1075,9 @@ class DecodeSide:
                 if others:
                     mine = mine[~torch.isin(mine, torch.cat(others))]
             self.remote.release(mine)           # (its pages' numbers in pd_page_ids were cleared at admission)
+        self.engine.write_starved.discard(int(row))
         if gone is not None:
+            self.remote.starved[gone] = False   # (decoded pages: given back, a next owner starts clean)
             self.remote.given_back(gone)        # (after ``release``, which marks its pages dirty)
         if adm is None:
             return
@@ -1173,6 +1175,25 @@ class DecodeSide:
         else:
             logger.warning("OasisKV PD: decode host tier %s left registered: a NIXL read into it is still running",
                            self.tier.name)
+
+    def starved_rows(self) -> dict[int, str]:
+        """A compact host tier (``pd_host_slots``) that ran full: rows with a block it could not
+        take (a read not made: ``RemoteBlocks.starved``; a decoded block not written back:
+        ``OasisSparseKV.write_starved``) -> why. Their steps would attend without those blocks
+        from then on (the pool evicts nothing while they run), so :func:`~.sglang_hooks.abort_lost`
+        ends them with an error naming the key instead of answering with degraded text."""
+        host = self.engine.host
+        if not host.compact:
+            return {}
+        starved = self.remote.starved
+        writes = self.engine.write_starved
+        if not writes and not bool(starved.any()):
+            return {}
+        why = (f"this decode node's compact host tier is full (kv_sparse_config 'pd_host_slots' {host.num_slots}): "
+               "blocks of this request could not be read or written back; raise pd_host_slots (or null: the whole "
+               "host tier)")
+        with self._rows_lock:
+            return {r: why for r, a in self.rows.items() if r in writes or bool(starved[a.pages].any())}
 
     def lost_rows(self) -> dict[int, str]:
         """Rows admitted from a lost peer -> why it was lost."""

@@ -139,8 +139,9 @@ def ensure_prefill_info_hook(original, self, addr_to_reqs, *args, **kwargs):
     """AROUND ``DecodePreallocQueue._ensure_prefill_info``: a request whose prefill node runs
     another TP size fails here, with an error naming ``--tp-size`` (:func:`tp_mismatch`), and
     so does one whose prefill node SGLang's own checks refuse (another ``block_size`` or KV
-    cache dtype, :func:`config_mismatch`; SGLang would raise and stop this node),
-    before SGLang registers this node's KV buffers with that node (``receiver.init`` ->
+    cache dtype, :func:`config_mismatch`; SGLang would raise and stop this node), and one whose
+    prefill node's OasisKV host tier this node cannot read (another ``dense_layers``:
+    :func:`_tier_mismatch`), before SGLang registers this node's KV buffers with that node (``receiver.init`` ->
     ``_register_kv_args``, which would stop the prefill node's bootstrap thread on a transfer to
     host memory: it then serves nobody). It fails as SGLang fails a request whose prefill
     node could not be reached (``kv_receiver.abort``; the handshake poll then ends it with this
@@ -168,6 +169,8 @@ def ensure_prefill_info_hook(original, self, addr_to_reqs, *args, **kwargs):
     for addr in list(ready):
         info = getattr(mgr, "prefill_info_table", {}).get(addr)
         why = tp_mismatch(addr, getattr(info, "attn_tp_size", None), getattr(mgr, "attn_tp_size", None))
+        if why is None:
+            why = _tier_mismatch(addr)
         if why is not None:
             refused.append((addr, ready.pop(addr), why, info))
     for addr, reqs, why, info in refused:
@@ -218,6 +221,25 @@ def node_failure_hook(result, self, failed_bootstrap_addr, *args, **kwargs):
             logger.info("OasisKV PD: SGLang lost prefill node %s: renewing the leases of its %d request(s) here now "
                         "(%d sent) to find out whether its process is gone", failed_bootstrap_addr, held, sent)
     return result
+
+
+def _tier_mismatch(addr: str) -> str | None:
+    """Why the OasisKV host tier of the prefill node at bootstrap address ``addr`` cannot serve
+    this decode node (``DecodeSide.peer_for``: its layout fetched once and checked, e.g. another
+    ``dense_layers``, whose KV regions SGLang's NIXL transfer would size differently and fail in
+    the prefill node's bootstrap thread, leaving that node unable to serve), or ``None``."""
+    from sglang.srt.utils.network import NetworkAddress
+
+    from .transport import PeerLostError
+
+    try:
+        na = NetworkAddress.parse(str(addr))
+        side().peer_for(na.host, int(na.port))
+    except PeerLostError as e:
+        return f"OasisKV PD: prefill node {addr} cannot serve this decode node: {e.why}"
+    except Exception:  # noqa: BLE001 - an address SGLang itself used; admission checks again
+        return None
+    return None
 
 
 def _notify_prefill_abort(mgr, addr: str, info, rooms: list[int], why: str) -> None:
@@ -601,7 +623,8 @@ def _abort(req, message: str) -> None:
 
 def abort_lost(batch, group=None) -> None:
     """Before a decode batch runs (``scheduler_hooks.run_batch_hook``): end with an error the
-    requests whose prefill node was lost (their blocks cannot be read any more) or whose lease
+    requests whose prefill node was lost (their blocks cannot be read any more), whose blocks a
+    full compact host tier could not take (``DecodeSide.starved_rows``), or whose lease
     there was not renewed for most of its length (``DecodeSide.cut_off_stale``: the pages may be
     another request's by now, so no read of them starts again, also not in the request's last
     forward). (Leases are renewed by ``DecodeSide``'s renewal thread, not here.) With TP
@@ -612,8 +635,9 @@ def abort_lost(batch, group=None) -> None:
         return
     reqs = getattr(batch, "reqs", None) or []
     stale = s.cut_off_stale()
+    starved = s.starved_rows()
     ends: dict[int, str] = {}
-    if s.remote.lost or stale:
+    if s.remote.lost or stale or starved:
         lost = s.lost_rows()
         for req in reqs:
             if req.to_finish is not None or req.finished_reason is not None or req.req_pool_idx is None:
@@ -624,6 +648,8 @@ def abort_lost(batch, group=None) -> None:
             elif req.req_pool_idx in stale:
                 ends[int(req.req_pool_idx)] = ("its KV cache on its prefill node can no longer be relied on "
                                                f"({stale[req.req_pool_idx]})")
+            elif req.req_pool_idx in starved:
+                ends[int(req.req_pool_idx)] = starved[req.req_pool_idx]
     ends = tp_agree(ends, group)
     if not ends:
         return

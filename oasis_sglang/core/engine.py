@@ -165,6 +165,9 @@ class OasisSparseKV:
         # slots (``assign_write_pages``); pieces not written back for want of a free slot
         self._write_block: dict[int, int] = {}
         self.host_write_misses = 0
+        # rows whose decoded block found no slot in a full compact pool (never written back: their
+        # later steps would attend without it); the PD glue ends them (``DecodeSide.starved_rows``)
+        self.write_starved: set[int] = set()
         self._write_warn = EveryFewSeconds(self.WRITE_WARN_S)
 
     @staticmethod
@@ -773,6 +776,7 @@ class OasisSparseKV:
                 self.assign_host_pieces(li, hh, torch.full_like(li, pg))
             except HostTierFull:
                 miss += int((self.host.slots[li, hh * P + pg] < 0).sum())
+                self.write_starved.update(r for (r, _), lc in zip(todo, loc.tolist()) if lc // bs == pg)
                 continue
             got += before - self.host.free_slots
         if miss:
@@ -1206,6 +1210,7 @@ class OasisSparseKV:
         self.record.forget(rows)
         for r in (rows.tolist() if isinstance(rows, torch.Tensor) else rows):
             self._write_block.pop(int(r), None)
+            self.write_starved.discard(int(r))
 
     def _note_forward_stream(self) -> None:
         """Remember the stream the current forward runs on (CUDA; a capture's stream is not the

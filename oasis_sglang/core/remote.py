@@ -138,6 +138,10 @@ class RemoteBlocks:
         self._free_pages: Callable | None = None
         self._free_slots: Callable | None = None
         self.slot_misses = 0            # pieces not read for want of a free slot (compact tier)
+        # pages with a piece a full compact pool could not take (a read not made, or a decoded
+        # block not written back): their requests would attend without it, so the glue ends
+        # them (``starve``; cleared when the page is admitted again or released)
+        self.starved = torch.zeros((num_pages,), dtype=torch.bool)
         self._warn = EveryFewSeconds(self.WARN_S)
 
     WARN_S = 10.0       # the most often a full compact pool is warned about (seconds)
@@ -182,11 +186,16 @@ class RemoteBlocks:
                     self._assign(ln[take], hn[take], pn[take])
                 miss = int(uk.numel()) - k
                 self.slot_misses += miss
+                self.starve(pn[first[k:]])
                 if self._warn.due():
                     logger.warning("OasisKV PD: the compact host tier is full: %d pieces not read this time (they stay "
                                    "missing: the working set keeps what it had; %d in all so far); raise pd_host_slots",
                                    miss, self.slot_misses)
         return self.slot_table[l, col] >= 0
+
+    def starve(self, pages) -> None:
+        """Pages ``[N]`` (int64) with a piece a full compact pool could not take (``starved``)."""
+        self.starved[torch.as_tensor(pages, dtype=torch.int64).reshape(-1)] = True
 
     def _dst(self, l: torch.Tensor, h: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
         """Where pieces ``(l, h, p)`` land here: their pages (the whole tier) or their pool rows."""
@@ -222,6 +231,7 @@ class RemoteBlocks:
         self.wait_reads_into(pages)          # a read of the pages' previous request must not land later
         self.peer[pages] = self._peer_index(peer)
         self.src_page[pages] = src_pages
+        self.starved[pages] = False
         self.present[:, :, pages] = False if present is None else present.to(torch.bool).cpu()
         self._mirror(pages)
 
@@ -261,6 +271,7 @@ class RemoteBlocks:
             self._free_pages(pages)              # a compact tier: the slots go back (no data kept)
         self.present[:, :, pages] = True
         self.dirty[pages] = True                 # until ``given_back``: a next owner's ``present`` won't show it
+        self.starved[pages] = False
         self.peer[pages] = -1
         self.src_page[pages] = -1
         self._mirror(pages)

@@ -91,7 +91,8 @@ def test_a_compact_decode_node_decodes_as_the_whole_tier(seed, mode, prompt):
 def test_a_pool_too_small_defers_reads_counts_them_and_the_requests_go_on(seed, mode, caplog):
     """Two requests on a pool of 20 pieces (of ~450 they would read or write): reads that do not
     fit are not made (counted, warned about), write-backs without a slot are counted, no read lands
-    outside the pool, both requests decode every step; the releases give every slot back."""
+    outside the pool, both requests decode every step at the engine level and are named for the
+    glue to end (``starved_rows``, naming pd_host_slots); the releases give every slot back."""
     budget, steps, S, prompt = 24, 10, 20, 120
     pf, dc = engine(budget), compact_engine(budget, mode, S)
     ps = PrefillSide(pf, lease_s=600)
@@ -113,9 +114,14 @@ def test_a_pool_too_small_defers_reads_counts_them_and_the_requests_go_on(seed, 
         assert ds.remote.slot_misses > 0 and not ds.remote.lost
         assert "compact host tier is full" in caplog.text
         assert S - dc.host.free_slots <= S
+        # the glue ends them (sglang_hooks.abort_lost) instead of answering without those blocks
+        starved = ds.starved_rows()
+        assert set(starved) == {2, 3}, starved
+        assert all("'pd_host_slots' 20" in why for why in starved.values()), starved
         for row in (2, 3):
             ds.release(row, pages_of(rt_d, row, n), n)
         assert dc.host.free_slots == S and bool((dc.host.slots < 0).all())
+        assert ds.starved_rows() == {} and not bool(ds.remote.starved.any()) and not dc.write_starved
         assert not ds.remote.pending and bool(ds.remote.present.all())
     finally:
         ds.close()

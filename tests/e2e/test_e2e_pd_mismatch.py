@@ -58,3 +58,46 @@ def test_another_block_size_on_the_decode_node_refuses_the_request_naming_it(pdm
                       timeout=300)
     assert r.status_code != 200 and time.time() - t < 60, (r.status_code, r.text, time.time() - t)
     assert "OasisKV PD: block_size: the prefill node at" in pdm.dc.log()
+
+
+def _decode_on(pdm, model, port: int, cfg: dict, suffix: str) -> None:
+    """Restart the decode node on ``port`` (the router's) with ``cfg``."""
+    from oasis_sglang.testing.launch import check_port_free
+
+    pdm.dc.stop()
+    for _ in range(60):
+        try:
+            check_port_free(port)
+            break
+        except OSError:
+            time.sleep(2)
+    pdm.cfg = cfg
+    pdm.dc = launch(model, port, pdm.args() + ["--disaggregation-mode", "decode"], OUT / f"pd_mismatch_decode{suffix}.log")
+
+
+def _answer(pdm):
+    t0 = time.time()
+    while True:         # the router sends nothing to the restarted node until its health check passes
+        r = requests.post(pdm.url + "/generate", json={"text": "Hello", "sampling_params": {"max_new_tokens": 4}},
+                          timeout=300)
+        if r.status_code != 503 or "No available" not in r.text or time.time() - t0 > 300:
+            return r
+        time.sleep(2)
+
+
+def test_other_dense_layers_on_the_decode_node_refuse_the_request_and_the_prefill_node_keeps_serving(pdm, model):
+    """Another ``dense_layers`` sizes the KV regions SGLang's NIXL transfer registers differently:
+    the prefill node's bootstrap thread raised on it and that node served nobody after (a
+    breaker's finding). The decode node now checks the prefill node's host tier layout first and
+    refuses the request naming ``dense_layers``; the same prefill node then serves a decode node
+    of its own config."""
+    port = int(pdm.dc.url.rsplit(":", 1)[1])
+    _decode_on(pdm, model, port, {**CFG, "dense_layers": [0, 1, 2]}, "_dense")
+    r = _answer(pdm)
+    assert r.status_code != 200 and "dense_layers" in r.text, (r.status_code, r.text)
+    assert "dense_layers" in pdm.dc.log() and "cannot serve this decode node" in pdm.dc.log()
+    assert "Exception in thread" not in pdm.pf.log(), pdm.pf.log()[-3000:]
+    _decode_on(pdm, model, port, dict(CFG), "_same")
+    r = _answer(pdm)
+    assert r.status_code == 200, (r.status_code, r.text)
+    assert "Exception in thread" not in pdm.pf.log()
