@@ -783,7 +783,7 @@ class OasisSparseKV:
             self.host_write_misses += miss
             if self._write_warn.due():
                 logger.warning("OasisKV: the compact host tier is full: %d pieces of pages decoded into have no slot "
-                               "(their blocks are not written back; %d in all so far); raise pd_host_slots",
+                               "(their blocks are not written back: their requests end; %d in all so far); raise pd_host_slots",
                                miss, self.host_write_misses)
         for (r, p), lc in zip(todo, loc.tolist()):
             if bool((self.host.slots[:, torch.arange(H) * P + lc // bs] >= 0).all()):

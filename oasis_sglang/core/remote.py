@@ -188,8 +188,8 @@ class RemoteBlocks:
                 self.slot_misses += miss
                 self.starve(pn[first[k:]])
                 if self._warn.due():
-                    logger.warning("OasisKV PD: the compact host tier is full: %d pieces not read this time (they stay "
-                                   "missing: the working set keeps what it had; %d in all so far); raise pd_host_slots",
+                    logger.warning("OasisKV PD: the compact host tier is full: %d pieces not read (their requests "
+                                   "end: DecodeSide.starved_rows; %d in all so far); raise pd_host_slots",
                                    miss, self.slot_misses)
         return self.slot_table[l, col] >= 0
 
