@@ -115,6 +115,23 @@ def check_port_free(port: int) -> None:
                           f"or choose another port") from None
 
 
+def wait_port_free(port: int, timeout: float = 120.0) -> None:
+    """Wait (polling every 2 s, at most ``timeout`` seconds) until nothing listens on ``port``:
+    a stopped server's port, before a new one starts there. Raises ``OSError``
+    (:func:`check_port_free`'s) when it is still taken then."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            check_port_free(port)
+            return
+        except OSError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(2)
+
+
 def launch(model: str, port: int, args: list[str], log_path: Path, timeout: float = 600,
            echo: bool = True) -> Server:
     """Start an SGLang server (``sglang serve``) and wait until it serves.

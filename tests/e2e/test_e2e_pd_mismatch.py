@@ -62,15 +62,10 @@ def test_another_block_size_on_the_decode_node_refuses_the_request_naming_it(pdm
 
 def _decode_on(pdm, model, port: int, cfg: dict, suffix: str) -> None:
     """Restart the decode node on ``port`` (the router's) with ``cfg``."""
-    from oasis_sglang.testing.launch import check_port_free
+    from oasis_sglang.testing.launch import wait_port_free
 
     pdm.dc.stop()
-    for _ in range(60):
-        try:
-            check_port_free(port)
-            break
-        except OSError:
-            time.sleep(2)
+    wait_port_free(port)
     pdm.cfg = cfg
     pdm.dc = launch(model, port, pdm.args() + ["--disaggregation-mode", "decode"], OUT / f"pd_mismatch_decode{suffix}.log")
 

@@ -49,7 +49,7 @@ pytest.importorskip("nixl")
 pytest.importorskip("sglang_router")
 
 from oasis_sglang import needle  # noqa: E402
-from oasis_sglang.testing.launch import (base_args, check_port_free, extra_e2e, free_port, has_cuda, launch,  # noqa: E402
+from oasis_sglang.testing.launch import (base_args, wait_port_free, extra_e2e, free_port, has_cuda, launch,  # noqa: E402
                                          oasis_args)
 from oasis_sglang.models import essay_texts  # noqa: E402
 from test_e2e import NEEDLE_CASES, NEEDLE_CFG, OUT, chat, dense_reference, generate_ids, short_prompts  # noqa: E402
@@ -331,12 +331,7 @@ def _restart_prefill(pd, suffix: str) -> None:
     """A new prefill node on the same ports (the router knows that URL and bootstrap port)."""
     port = int(pd.pf.url.rsplit(":", 1)[1])
     pd.pf.stop()
-    for _ in range(60):
-        try:
-            check_port_free(port)
-            break
-        except OSError:
-            time.sleep(2)
+    wait_port_free(port)
     pd.pf = pd.start_prefill(port=port, suffix=suffix)
 
 
